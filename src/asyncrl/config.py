@@ -1,0 +1,200 @@
+"""The run config: one typed, frozen tree, loaded from YAML plus ``key=value`` overrides.
+
+Component configs live beside their components (``SamplingParams`` in engines, each
+estimator's and controller's options in their classes); this module composes them into
+``RunConfig`` and resolves component names against their registries at load time, so a
+typo fails before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
+from asyncrl.engines.base import SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    task: str = field("addition", help="built-in task (asyncrl ls tasks) or a dotted path to a Task")
+    preset: str = field("small", help="model preset for the built-in teacher/student (tiny | small)")
+    cache_dir: str = field(".asyncrl_cache", help="where pretrained checkpoints are cached")
+    teacher_path: str | None = field(None, help="HF checkpoint dir of a teacher on disk (overrides preset)")
+    student_path: str | None = field(None, help="HF checkpoint dir of a student on disk (overrides preset)")
+    prompts_path: str | None = field(
+        None, help="Parquet or JSONL file with a 'prompt' (and 'answer') column instead of the task's split"
+    )
+    train_size: int = field(4096, help="number of training prompts drawn from the task")
+    eval_size: int = field(256, help="number of held-out eval prompts")
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """A registered component by name plus its options (validated by the component's own config)."""
+
+    name: str = field(help="registered name or dotted path 'package.module:Class'")
+    options: dict[str, Any] = field(default_factory=dict, help="keyword options of the component")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    kind: str = field("auto", help="teacher cache kind (asyncrl ls caches); 'auto' = what the estimator needs")
+    k: int = field(16, help="top-k size for the 'topk' cache")
+    m: int = field(8, help="MC samples per position for the 'behavior_mc' and 'teacher_mc' caches")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = field(40, help="optimizer steps")
+    batch_size: int = field(32, help="samples per optimizer step, over all learner workers (B)")
+    group_size: int = field(1, help="completions per prompt (G); GRPO needs >= 2")
+    lr: float = field(1e-3, help="peak learning rate (AdamW)")
+    warmup_steps: int = field(0, help="linear warmup steps")
+    weight_decay: float = field(0.0, help="AdamW weight decay")
+    grad_clip: float = field(1.0, help="global grad-norm clip; 0 disables")
+    eval_every: int = field(10, help="greedy exact-match eval every N steps; 0 disables")
+    eval_size: int = field(128, help="eval prompts per evaluation")
+    checkpoint_every: int = field(0, help="Ray Train checkpoint every N steps; 0 = only at the end")
+    logits_chunk: int = field(0, help="sequence chunk for log-softmax gathers; 0 = no chunking")
+
+    def __post_init__(self) -> None:
+        check(self.steps >= 1, "steps", self.steps, "use an integer >= 1")
+        check(self.batch_size >= 1, "batch_size", self.batch_size, "use an integer >= 1")
+        check(self.group_size >= 1, "group_size", self.group_size, "use an integer >= 1")
+        check(
+            self.batch_size % self.group_size == 0,
+            "batch_size", self.batch_size, f"make it a multiple of group_size={self.group_size}",
+        )
+        check(self.lr > 0, "lr", self.lr, "use a positive learning rate")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    max_lag: int = field(2, help="S: hard per-sample staleness bound in optimizer steps; 0 = synchronous")
+    learner_workers: int = field(1, help="Ray Train workers (DDP over gloo on CPU)")
+    backend: Literal["ddp", "deepspeed"] = field("ddp", help="learner backend")
+    zero_stage: int = field(2, help="DeepSpeed ZeRO stage (1 or 2) when backend=deepspeed")
+    engine: str = field("hf", help="rollout engine (asyncrl ls engines)")
+    generators: int = field(1, help="generation actors in the Ray Data actor pool")
+    teacher_scorers: int = field(1, help="teacher-scoring actors in the Ray Data actor pool")
+    cpus_per_actor: float = field(0.5, help="logical CPUs reserved per generator/teacher actor")
+    cpus_per_worker: float = field(0.5, help="logical CPUs reserved per learner worker")
+    torch_threads: int = field(1, help="torch intra-op threads per actor and worker")
+    num_cpus: int | None = field(
+        None, help="logical CPUs for a local ray.init (default: max(4, 2x cores)); ignored on a cluster"
+    )
+    ray_address: str | None = field(None, help="existing Ray cluster ('auto' or host:port); None = local")
+    no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
+    rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
+    resume: bool = field(True, help="resume from the run directory's latest checkpoint if present")
+
+    def __post_init__(self) -> None:
+        check(self.max_lag >= 0, "max_lag", self.max_lag, "use 0 (synchronous) or a positive bound")
+        check(self.learner_workers >= 1, "learner_workers", self.learner_workers, "use >= 1")
+        check(self.generators >= 1, "generators", self.generators, "use >= 1")
+        check(self.teacher_scorers >= 1, "teacher_scorers", self.teacher_scorers, "use >= 1")
+        check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    progress: bool = field(True, help="live progress bar; false for CI and logs")
+    tensorboard: bool = field(True, help="write TensorBoard event files to RUN/tb")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_dir: str = field("runs/latest", help="run directory: config, metrics, samples, checkpoints")
+    seed: int = field(0, help="global seed: data order, sampling, init")
+    algo: Literal["opd", "grpo"] = field("opd", help="on-policy distillation or GRPO")
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig, help="task and models")
+    sampling: SamplingParams = field(default_factory=SamplingParams, help="rollout sampling")
+    estimator: ComponentSpec = field(
+        default_factory=lambda: ComponentSpec("reverse_kl_mc"), help="loss estimator (asyncrl ls estimators)"
+    )
+    cache: CacheConfig = field(default_factory=CacheConfig, help="teacher-score cache")
+    controllers: tuple[ComponentSpec, ...] = field(
+        default=(), help="extra staleness controllers; bounded staleness (pipeline.max_lag) is always on"
+    )
+    train: TrainConfig = field(default_factory=TrainConfig, help="optimisation")
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig, help="Ray pipeline")
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig, help="progress and sinks")
+
+    def __post_init__(self) -> None:
+        if self.algo == "grpo":
+            check(self.train.group_size >= 2, "train.group_size", self.train.group_size, "GRPO needs >= 2")
+
+
+# --- loading -------------------------------------------------------------------------------
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in order."""
+    data = dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, item, "overrides look like key.sub=value")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            child = node.get(p)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[p] = child
+            node = child
+        node[parts[-1]] = _parse_value(raw)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """YAML file (or defaults) + overrides -> validated RunConfig. Names are resolved now."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError("config", str(p), "the file does not exist; see examples/configs/")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("config", str(p), "the YAML top level must be a mapping")
+        data = loaded
+    data = apply_overrides(data, overrides or [])
+    cfg = from_dict(RunConfig, data)
+    resolve_components(cfg)
+    return cfg
+
+
+def resolve_components(cfg: RunConfig) -> None:
+    """Fail at load time on unknown component names or options (nearest name suggested)."""
+    from asyncrl import caches, controllers, engines, estimators
+    from asyncrl.registry import RegistryError
+    from asyncrl.workloads import tasks
+
+    def _try(fieldname: str, fn, value: Any) -> None:
+        try:
+            fn()
+        except RegistryError as err:
+            raise ConfigError(fieldname, value, str(err)) from None
+        except ConfigError as err:
+            raise err.prefixed(fieldname) from None
+
+    _try("estimator.name", lambda: estimators.build(cfg.estimator.name, cfg.estimator.options), cfg.estimator.name)
+    for i, c in enumerate(cfg.controllers):
+        _try(f"controllers[{i}]", lambda c=c: controllers.build(c.name, c.options), c.name)
+    if cfg.cache.kind != "auto":
+        _try("cache.kind", lambda: caches.CACHES.get(cfg.cache.kind), cfg.cache.kind)
+    _try("workload.task", lambda: tasks.TASKS.get(cfg.workload.task), cfg.workload.task)
+    _try("pipeline.engine", lambda: engines.ENGINES.get(cfg.pipeline.engine), cfg.pipeline.engine)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def with_overrides(cfg: RunConfig, **changes: Any) -> RunConfig:
+    return replace(cfg, **changes)

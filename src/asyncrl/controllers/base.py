@@ -1,0 +1,132 @@
+"""The StalenessController protocol: every point where a run reacts to staleness.
+
+A controller may act at any of these points; each hook is optional (a missing hook is a
+no-op, see ``chain``). In the order they run:
+
+1. ``admit(req)``: producer side, inside the coordinator actor. May a rollout of
+   ``req.n`` samples start now? (AND across controllers.)
+2. ``keep(info, learner_version)``: consumption gate on arriving samples, [N] bool.
+   Must be group-atomic. (AND.)
+3. ``token_weights(ctx)``: detached per-token loss weights [B, T]. (Product.)
+4. ``transform_gradient(grads, ctx)``: in place, after the DP all-reduce and before
+   gradient clipping. (Applied in chain order.)
+5. ``lr_scale(ctx)``: multiplicative LR factor for this one step; the learner sets
+   ``lr = base_lr * prod(scales)``, steps, then restores the scheduled LR. (Product.)
+6. ``after_step(ctx)``: bookkeeping after ``optimizer.step()``.
+7. ``metrics()``: floats for the last step, slash-namespaced.
+8. ``state_dict()`` / ``load_state_dict(d)``: everything needed to resume.
+
+Controllers are pure functions of (config, step context, their own explicit state). They
+must not read the wall clock except for metrics, and all randomness is seeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """A generator asks to start ``n`` samples (whole groups) at learner version ``learner_version``."""
+
+    n: int
+    learner_version: int
+    #: samples started but not yet trained or dropped (includes this request's peers, not itself)
+    in_flight: int
+    #: samples the learner consumes per optimizer step (B)
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """Per-sample bookkeeping at consumption; all arrays have length N."""
+
+    sample_id: np.ndarray
+    group_id: np.ndarray
+    version_first: np.ndarray
+    version_last: np.ndarray
+
+    def lag(self, learner_version: int) -> np.ndarray:
+        """Head lag: learner version minus the version of the sample's first token."""
+        return learner_version - self.version_first
+
+
+@dataclass
+class StepContext:
+    """What the learner knows at one optimizer step, after the forward pass.
+
+    Per-token tensors are local to this DP rank and detached. ``seq_log_ratio`` and
+    ``lags_global`` are gathered over all DP ranks so that batch statistics (ESS, max lag)
+    and therefore LR scales are identical on every rank.
+    """
+
+    step: int  # optimizer steps applied so far == learner version v
+    base_lr: float  # scheduled LR for this step
+    mask: torch.Tensor  # [B, T] bool
+    logprobs: torch.Tensor  # [B, T] log pi_theta(y_t), detached
+    behavior_logprobs: torch.Tensor  # [B, T] log pi_b(y_t)
+    token_versions: torch.Tensor  # [B, T] int
+    lags: torch.Tensor  # [B] int, head lag of each local sample
+    group_ids: torch.Tensor  # [B] int
+    seq_log_ratio: torch.Tensor  # [N_global] sum_t (log pi_theta - log pi_b), all ranks
+    lags_global: torch.Tensor  # [N_global] int, all ranks
+    world_size: int = 1
+    rank: int = 0
+
+    @property
+    def learner_version(self) -> int:
+        return self.step
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        """Token log-ratio l_t = log pi_theta - log pi_b, zero at padding."""
+        return torch.where(self.mask, self.logprobs - self.behavior_logprobs, torch.zeros_like(self.logprobs))
+
+
+@runtime_checkable
+class StalenessController(Protocol):
+    """Structural type of a controller. Implement any subset of the hooks below plus ``name``;
+    ``chain`` and ``as_controller`` supply no-ops for the rest."""
+
+    name: str
+
+    def admit(self, req: AdmissionRequest) -> bool: ...
+
+    def keep(self, info: SampleInfo, learner_version: int) -> np.ndarray: ...
+
+    def token_weights(self, ctx: StepContext) -> torch.Tensor | None: ...
+
+    def transform_gradient(self, grads: Sequence[torch.Tensor], ctx: StepContext) -> None: ...
+
+    def lr_scale(self, ctx: StepContext) -> float: ...
+
+    def after_step(self, ctx: StepContext) -> None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[list[float]]:
+    """Apply ``lr * scale`` to every param group for one ``optimizer.step()``, then restore.
+
+    Restoring (rather than letting the scheduler overwrite) keeps the schedule's state
+    identical to a run without controllers (spec 7.3 e). Yields the applied LRs.
+    """
+    saved = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr * scale
+        yield [g["lr"] for g in optimizer.param_groups]
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved):
+            g["lr"] = lr

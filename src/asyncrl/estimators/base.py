@@ -1,0 +1,50 @@
+"""The Estimator protocol: one object per objective, owning its options, reduction and metrics.
+
+``asyncrl.estimators.functional`` holds the pure math (per-position losses [B, T]);
+an Estimator binds options, declares the record columns and the teacher-cache kind it
+needs, applies the completion mask and optional per-token weights from controllers,
+reduces, and reports detached metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class EstimatorOutput:
+    """``loss``: scalar to backpropagate. ``metrics``: detached floats, slash-namespaced
+    (e.g. ``"est/teacher_mass"``). ``per_sample``: detached [B] tensors for samples.parquet
+    (e.g. ``"loss"``)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Estimator(Protocol):
+    name: str
+    #: the teacher-cache kind it needs ("topk", "behavior_mc", "token", "teacher_mc", "dense"),
+    #: or None for RL estimators that need no teacher (they need a "reward" column instead)
+    cache_kind: str | None
+
+    def required_columns(self) -> frozenset[str]:
+        """Record columns the estimator reads (checked when the pipeline is built)."""
+        ...
+
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        token_weights: torch.Tensor | None = None,
+    ) -> EstimatorOutput:
+        """``student_logits`` [B, T, V] aligned to completion tokens (records.completion_logits).
+        ``token_weights`` [B, T] detached, from controllers; multiplied into the per-token loss
+        before the masked reduction."""
+        ...
