@@ -28,6 +28,7 @@ class WorkloadConfig:
     prompts_path: str | None = field(
         None, help="Parquet or JSONL file with a 'prompt' (and 'answer') column instead of the task's split"
     )
+    pretrain_seed: int = field(0, help="seed of the pretrained teacher/student pair and of the task splits")
     train_size: int = field(4096, help="number of training prompts drawn from the task")
     eval_size: int = field(256, help="number of held-out eval prompts")
 
@@ -42,7 +43,9 @@ class ComponentSpec:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    kind: str = field("auto", help="teacher cache kind (asyncrl ls caches); 'auto' = what the estimator needs")
+    kind: str = field(
+        "auto", help="teacher cache kind (asyncrl ls caches); 'auto' = what the estimator needs"
+    )
     k: int = field(16, help="top-k size for the 'topk' cache")
     m: int = field(8, help="MC samples per position for the 'behavior_mc' and 'teacher_mc' caches")
 
@@ -67,7 +70,9 @@ class TrainConfig:
         check(self.group_size >= 1, "group_size", self.group_size, "use an integer >= 1")
         check(
             self.batch_size % self.group_size == 0,
-            "batch_size", self.batch_size, f"make it a multiple of group_size={self.group_size}",
+            "batch_size",
+            self.batch_size,
+            f"make it a multiple of group_size={self.group_size}",
         )
         check(self.lr > 0, "lr", self.lr, "use a positive learning rate")
 
@@ -79,10 +84,20 @@ class PipelineConfig:
     backend: Literal["ddp", "deepspeed"] = field("ddp", help="learner backend")
     zero_stage: int = field(2, help="DeepSpeed ZeRO stage (1 or 2) when backend=deepspeed")
     engine: str = field("hf", help="rollout engine (asyncrl ls engines)")
+    engine_options: dict[str, Any] = field(
+        default_factory=dict, help="keyword options of the engine's from_pretrained (e.g. vllm max_model_len)"
+    )
     generators: int = field(1, help="generation actors in the Ray Data actor pool")
     teacher_scorers: int = field(1, help="teacher-scoring actors in the Ray Data actor pool")
     cpus_per_actor: float = field(0.5, help="logical CPUs reserved per generator/teacher actor")
     cpus_per_worker: float = field(0.5, help="logical CPUs reserved per learner worker")
+    generator_resources: dict[str, float] = field(
+        default_factory=dict,
+        help="extra Ray resources per generator actor (e.g. {node_a: 0.01} to pin a node)",
+    )
+    scorer_resources: dict[str, float] = field(
+        default_factory=dict, help="extra Ray resources per teacher/reward scorer actor"
+    )
     torch_threads: int = field(1, help="torch intra-op threads per actor and worker")
     num_cpus: int | None = field(
         None, help="logical CPUs for a local ray.init (default: max(4, 2x cores)); ignored on a cluster"
@@ -112,7 +127,10 @@ class RunConfig:
     seed: int = field(0, help="global seed: data order, sampling, init")
     algo: Literal["opd", "grpo"] = field("opd", help="on-policy distillation or GRPO")
     workload: WorkloadConfig = field(default_factory=WorkloadConfig, help="task and models")
-    sampling: SamplingParams = field(default_factory=SamplingParams, help="rollout sampling")
+    sampling: SamplingParams = field(
+        default_factory=lambda: SamplingParams(mc_samples=8),
+        help="rollout sampling (m = 8 behavior MC draws feed the default reverse_kl_mc estimator)",
+    )
     estimator: ComponentSpec = field(
         default_factory=lambda: ComponentSpec("reverse_kl_mc"), help="loss estimator (asyncrl ls estimators)"
     )
@@ -183,7 +201,7 @@ def resolve_components(cfg: RunConfig) -> None:
         except ConfigError as err:
             raise err.prefixed(fieldname) from None
 
-    _try("estimator.name", lambda: estimators.build(cfg.estimator.name, cfg.estimator.options), cfg.estimator.name)
+    _try("estimator", lambda: estimators.build(cfg.estimator.name, cfg.estimator.options), cfg.estimator.name)
     for i, c in enumerate(cfg.controllers):
         _try(f"controllers[{i}]", lambda c=c: controllers.build(c.name, c.options), c.name)
     if cfg.cache.kind != "auto":

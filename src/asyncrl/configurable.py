@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 C = TypeVar("C")
 
-__all__ = ["ConfigError", "field", "from_dict", "to_dict", "field_docs", "check"]
+__all__ = ["ConfigError", "check", "field", "field_docs", "from_dict", "to_dict"]
 
 
 class ConfigError(ValueError):
@@ -53,7 +53,9 @@ def check(cond: bool, field: str, value: Any, fix: str) -> None:
 
 def _nearest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
-    return f"did you mean {close[0]!r}? valid keys: {sorted(valid)}" if close else f"valid keys: {sorted(valid)}"
+    return (
+        f"did you mean {close[0]!r}? valid keys: {sorted(valid)}" if close else f"valid keys: {sorted(valid)}"
+    )
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:

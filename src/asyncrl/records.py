@@ -69,7 +69,9 @@ COLUMNS: dict[str, Column] = {
         Column(TEACHER_TOPK_IDS, ("B", "T", "k"), "int", "teacher top-k ids"),
         Column(TEACHER_TOPK_LOGPROBS, ("B", "T", "k"), "float", "teacher log p at top-k (full-vocab)", True),
         Column(TEACHER_MC_IDS, ("B", "T", "m"), "int", "m draws from the teacher p"),
-        Column(TEACHER_MC_LOGPROBS, ("B", "T", "m"), "float", "teacher log p at mc_ids / teacher_mc_ids", True),
+        Column(
+            TEACHER_MC_LOGPROBS, ("B", "T", "m"), "float", "teacher log p at mc_ids / teacher_mc_ids", True
+        ),
         Column(TEACHER_TOKEN_LOGPROBS, ("B", "T"), "float", "teacher log p at the generated token", True),
         Column(TEACHER_LOGITS, ("B", "T", "V"), "float", "teacher full logits (dense cache; tests only)"),
         Column(REWARD, ("B",), "float", "scalar reward"),
@@ -82,8 +84,15 @@ COLUMNS: dict[str, Column] = {
 }
 
 ROLLOUT_COLUMNS = (
-    PROMPT_IDS, PROMPT_MASK, COMPLETION_IDS, COMPLETION_MASK, BEHAVIOR_LOGPROBS, TOKEN_VERSIONS,
-    SAMPLE_ID, PROMPT_ID, GROUP_ID,
+    PROMPT_IDS,
+    PROMPT_MASK,
+    COMPLETION_IDS,
+    COMPLETION_MASK,
+    BEHAVIOR_LOGPROBS,
+    TOKEN_VERSIONS,
+    SAMPLE_ID,
+    PROMPT_ID,
+    GROUP_ID,
 )
 
 
@@ -119,9 +128,7 @@ def validate_batch(
             continue
         x = batch[name]
         if len(x.shape) != len(col.dims):
-            raise ValueError(
-                f"column {name!r} must have shape {list(col.dims)}, got {tuple(x.shape)}"
-            )
+            raise ValueError(f"column {name!r} must have shape {list(col.dims)}, got {tuple(x.shape)}")
         for d, n in zip(col.dims, x.shape):
             if d in dims and dims[d] != n:
                 raise ValueError(

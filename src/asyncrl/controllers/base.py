@@ -83,6 +83,43 @@ class StepContext:
     def learner_version(self) -> int:
         return self.step
 
+    @classmethod
+    def local(
+        cls,
+        *,
+        step: int,
+        base_lr: float,
+        mask: torch.Tensor,
+        logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        lags: torch.Tensor | Sequence[int],
+        token_versions: torch.Tensor | None = None,
+        group_ids: torch.Tensor | None = None,
+    ) -> StepContext:
+        """A single-process (world_size 1) context: ``seq_log_ratio`` and ``lags_global`` are
+        this process's own. For users' own loops and tests; the learner gathers them over DP
+        ranks instead. ``token_versions`` defaults to ``step - lag`` for every token."""
+        mask = mask.bool()
+        lags = torch.as_tensor(lags, dtype=torch.long)
+        if token_versions is None:
+            token_versions = (step - lags)[:, None].expand(mask.shape)
+        if group_ids is None:
+            group_ids = torch.arange(mask.shape[0])
+        diff = logprobs.detach() - behavior_logprobs.detach()
+        log_ratio = torch.where(mask, diff, torch.zeros_like(diff))
+        return cls(
+            step=step,
+            base_lr=base_lr,
+            mask=mask,
+            logprobs=logprobs.detach(),
+            behavior_logprobs=behavior_logprobs.detach(),
+            token_versions=token_versions,
+            lags=lags,
+            group_ids=group_ids,
+            seq_log_ratio=log_ratio.sum(-1),
+            lags_global=lags,
+        )
+
     @property
     def log_ratio(self) -> torch.Tensor:
         """Token log-ratio l_t = log pi_theta - log pi_b, zero at padding."""

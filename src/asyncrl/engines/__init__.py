@@ -1,8 +1,13 @@
 """Rollout engines behind one protocol: ``HFEngine`` (CPU default) and ``VLLMEngine`` (GPU)."""
 
 from asyncrl.engines.base import RolloutEngine, SamplingParams
+from asyncrl.engines.hf import HFEngine
+from asyncrl.engines.vllm import VLLMEngine  # cheap: vllm itself is imported in from_pretrained
 from asyncrl.registry import Registry
 
 ENGINES: Registry = Registry("engine")
 
-__all__ = ["ENGINES", "RolloutEngine", "SamplingParams"]
+ENGINES.add("hf", HFEngine)
+ENGINES.add("vllm", VLLMEngine)
+
+__all__ = ["ENGINES", "HFEngine", "RolloutEngine", "SamplingParams", "VLLMEngine"]

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
+
+from asyncrl.configurable import from_dict
+from asyncrl.registry import Registry
 
 
 @dataclass
@@ -48,3 +51,25 @@ class Estimator(Protocol):
         ``token_weights`` [B, T] detached, from controllers; multiplied into the per-token loss
         before the masked reduction."""
         ...
+
+
+# --- registry and option binding (additive) --------------------------------------------------
+#: name -> Estimator class; each built-in class carries a frozen ``Config`` dataclass of its options
+ESTIMATORS: Registry[type] = Registry("estimator")
+
+C = TypeVar("C")
+
+
+def bind_config(config_cls: type[C], config: C | None, options: Mapping[str, Any]) -> C:
+    """An estimator's config: the given ``config`` object, or one built from keyword ``options``.
+
+    ``options`` go through ``configurable.from_dict``, so an unknown key fails with the nearest
+    valid key and a bad value with the field name and the fix.
+    """
+    if config is not None:
+        if options:
+            raise TypeError(f"pass either a {config_cls.__name__} or keyword options, not both")
+        if not isinstance(config, config_cls):
+            raise TypeError(f"config must be a {config_cls.__name__}, got {type(config).__name__}")
+        return config
+    return from_dict(config_cls, options)

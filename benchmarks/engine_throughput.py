@@ -1,0 +1,143 @@
+"""Tokens/s of ``HFEngine`` against ``model.generate`` on the same model, batch and prompts.
+
+    python benchmarks/engine_throughput.py --preset small --batch 32 --new-tokens 32 --repeats 5
+    python benchmarks/engine_throughput.py --preset tiny --json out.jsonl     # also append a JSON line
+
+Rows (all sampling at temperature 1 from the untruncated softmax, one torch thread by default):
+  generate              ``model.generate(do_sample=True, top_k=0, top_p=1.0)``; no log-probs
+  generate+logprobs     the same with ``output_logits=True`` and a log-softmax gather afterwards
+                        (what you would need to get behavior log-probs out of ``generate``)
+  hf_engine m=0         ``HFEngine.generate``: returns behavior log-probs and versions
+  hf_engine m=8         the same plus 8 MC draws per position with their log-probs
+
+Method: the model is the preset's student (``--model teacher`` for the teacher), freshly
+initialised (throughput does not depend on the weights except through EOS, so tokens are
+counted as ``B x T`` decode slots actually run). Prompts are the addition task's eval
+prompts. One warm-up call per row, then ``--repeats`` timed calls, interleaved across rows so
+machine load affects them alike; the median is reported. Ratios are against ``generate``
+measured in the same run. Every number printed is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.hf import HFEngine
+from asyncrl.workloads.presets import build_model, get_preset, num_parameters
+from asyncrl.workloads.tasks import encode_prompts, get_task
+from asyncrl.workloads.tokenizer import char_tokenizer
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--model", choices=["student", "teacher"], default="student")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--json", default=None, help="append one JSON line with the results to this file ('-' = stdout)"
+    )
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    tok = char_tokenizer()
+    preset = get_preset(args.preset)
+    spec = preset.student if args.model == "student" else preset.teacher
+    spec = type(spec)(**{**spec.__dict__, "max_positions": max(spec.max_positions, 16 + args.new_tokens)})
+    model = build_model(spec, len(tok), seed=args.seed).eval()
+    prompts = [e.prompt for e in get_task("addition").make_examples("eval", args.batch, args.seed)]
+    ids, mask = encode_prompts(tok, prompts, max(len(p) for p in prompts) + 1)
+    engine = HFEngine(model, tok)
+
+    def run_generate(with_logprobs: bool) -> int:
+        from transformers import GenerationConfig
+
+        gc = GenerationConfig(
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            return_dict_in_generate=with_logprobs,
+            output_logits=with_logprobs,
+        )
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=gc)
+        if not with_logprobs:
+            return out.shape[0] * (out.shape[1] - ids.shape[1])
+        seq = out.sequences[:, ids.shape[1] :]
+        logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, seq[..., None])
+        assert logp.shape[:2] == seq.shape
+        return seq.numel()
+
+    def run_engine(m: int) -> int:
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, mc_samples=m)
+        out = engine.generate(ids, mask, params, seed=args.seed)
+        return out["completion_ids"].numel()
+
+    rows = {
+        "generate": lambda: run_generate(False),
+        "generate+logprobs": lambda: run_generate(True),
+        "hf_engine m=0": lambda: run_engine(0),
+        "hf_engine m=8": lambda: run_engine(8),
+    }
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    tokens: dict[str, int] = {}
+    for fn in rows.values():  # warm-up
+        fn()
+    for _ in range(args.repeats):
+        for name, fn in rows.items():
+            t0 = time.perf_counter()
+            tokens[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+
+    tps = {k: tokens[k] / statistics.median(v) for k, v in times.items()}
+    base = tps["generate"]
+    print(
+        f"preset={args.preset} model={args.model} ({num_parameters(model) / 1e6:.2f}M params) "
+        f"B={args.batch} new_tokens={args.new_tokens} repeats={args.repeats} threads={args.threads}"
+    )
+    print(f"{'method':<20} {'median ms':>10} {'tokens/s':>10} {'vs generate':>12}")
+    for k in rows:
+        print(f"{k:<20} {1000 * statistics.median(times[k]):>10.1f} {tps[k]:>10.0f} {tps[k] / base:>11.2f}x")
+    result = {
+        "benchmark": "engine_throughput",
+        "preset": args.preset,
+        "model": args.model,
+        "params": num_parameters(model),
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+        "ratio_vs_generate": {k: round(v / base, 3) for k, v in tps.items()},
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if args.json == "-":
+        print(json.dumps(result))
+    elif args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

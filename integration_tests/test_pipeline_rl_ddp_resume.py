@@ -1,0 +1,109 @@
+"""GRPO, 2 learner workers (DDP), checkpoint/resume ledger, and build-time / RPC failures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from conftest import tiny_config
+
+from asyncrl.coordinator import CoordinatorError, PolicyStoreClient
+from asyncrl.learner import latest_checkpoint
+from asyncrl.pipeline import read_metrics, read_samples, resolve_models, run
+
+pytestmark = pytest.mark.ray
+
+
+def test_grpo_raises_mean_reward(ray_local, tiny_pair, tmp_path):
+    cfg = tiny_config(
+        tmp_path / "grpo",
+        "algo=grpo",
+        "estimator.name=grpo",
+        "sampling.mc_samples=0",
+        "train.group_size=8",
+        "train.batch_size=64",
+        "train.steps=30",
+        "train.lr=3e-4",
+        "train.eval_every=0",
+    )
+    result = run(cfg)
+    samples = read_samples(result.run_dir)
+    kept = samples[samples["kept"]]
+    assert len(kept) == 30 * 64
+    # groups are trained whole
+    assert (kept.groupby("group_id").size() == 8).all()
+    first = kept[kept["step"] < 8]["reward"].mean()
+    last = kept[kept["step"] >= 22]["reward"].mean()
+    assert last > first, (first, last)
+
+
+def test_two_learner_workers_ddp(ray_local, tiny_pair, tmp_path):
+    cfg = tiny_config(
+        tmp_path / "ddp",
+        "pipeline.learner_workers=2",
+        "pipeline.max_lag=1",
+        "train.steps=6",
+        "train.eval_every=0",
+    )
+    result = run(cfg)
+    samples = read_samples(result.run_dir)
+    kept = samples[samples["kept"]]
+    assert len(kept) == 6 * cfg.train.batch_size
+    assert kept["sample_id"].is_unique
+    assert kept["lag"].max() <= 1
+    steps = [m["step"] for m in read_metrics(result.run_dir) if "loss" in m]
+    assert steps == list(range(1, 7))
+
+
+def test_checkpoint_crash_resume_ledger_balances(ray_local, tiny_pair, tmp_path):
+    run_dir = tmp_path / "resume"
+    cfg = tiny_config(
+        run_dir, "pipeline.max_lag=2", "train.steps=8", "train.checkpoint_every=3", "train.eval_every=0"
+    )
+    with pytest.raises(Exception, match="fault injected"):
+        run(cfg, fail_at_step=4)
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and json.loads((ckpt / "asyncrl_state.json").read_text())["step"] == 3
+    result = run(cfg)  # resumes from step 3
+    samples = read_samples(result.run_dir)
+    kept = samples[samples["kept"]]
+    # no sample trained twice, exactly steps * B trained, steps contiguous
+    assert kept["sample_id"].is_unique
+    assert len(kept) == 8 * cfg.train.batch_size
+    assert sorted(kept["step"].unique()) == list(range(8))
+    ledger = np.load(latest_checkpoint(run_dir) / "ledger.npy")
+    assert len(ledger) == len(samples) and np.isin(kept["sample_id"], ledger).all()
+    steps = [m["step"] for m in read_metrics(run_dir) if "loss" in m]
+    assert steps == list(range(1, 9)), steps
+
+
+def test_unresponsive_store_raises_clear_error(ray_local):
+    ray = ray_local
+
+    @ray.remote
+    class Hung:
+        def latest(self, have):
+            import time
+
+            time.sleep(30)
+
+    client = PolicyStoreClient(Hung.remote(), timeout_s=1.0)
+    with pytest.raises(CoordinatorError, match="did not answer within"):
+        client.latest(-1)
+
+
+def test_vocab_mismatch_fails_at_build(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    bad = tmp_path / "teacher"
+    shutil.copytree(tiny_pair.teacher_dir, bad)
+    tok = AutoTokenizer.from_pretrained(bad)
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(bad)
+    cfg = tiny_config(
+        tmp_path / "run", f"workload.teacher_path={bad}", f"workload.student_path={tiny_pair.student_dir}"
+    )
+    with pytest.raises(ValueError, match=r"(?i)tokenizer|vocab"):
+        resolve_models(cfg)

@@ -1,0 +1,487 @@
+"""The ``asyncrl`` command: demo, run, validate, report, pretrain, eval, ls.
+
+Every subcommand has ``--help``; ``--quiet`` turns progress displays off (CI, logs). Errors
+print one line naming what is wrong and how to fix it, and exit non-zero (2 for config and
+usage errors, 1 otherwise); ``ASYNCRL_DEBUG=1`` shows the traceback instead. Heavy modules
+(torch, Ray, transformers) are imported inside the commands, so ``asyncrl --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CLIError", "build_parser", "demo_table", "main"]
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+#: ``asyncrl ls`` kinds -> (module, registry attribute)
+REGISTRIES: dict[str, tuple[str, str]] = {
+    "estimators": ("asyncrl.estimators", "ESTIMATORS"),
+    "controllers": ("asyncrl.controllers", "CONTROLLERS"),
+    "caches": ("asyncrl.caches", "CACHES"),
+    "tasks": ("asyncrl.workloads.tasks", "TASKS"),
+    "engines": ("asyncrl.engines", "ENGINES"),
+    "presets": ("asyncrl.workloads.presets", "PRESETS"),
+}
+
+DEMO_STEPS = 40
+DEMO_MAX_LAG = 2
+#: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml)
+DEMO_OVERRIDES = (
+    "sampling.max_new_tokens=6",
+    "sampling.mc_samples=4",
+    "train.batch_size=32",
+    "train.eval_every=10",
+    "train.eval_size=128",
+)
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as one line, exits with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _say(args: argparse.Namespace, *lines: str) -> None:
+    """Progress chatter: suppressed by --quiet (results are printed regardless)."""
+    if not args.quiet:
+        for line in lines:
+            print(line, flush=True)
+
+
+def _quiet_overrides(args: argparse.Namespace) -> list[str]:
+    return ["telemetry.progress=false"] if args.quiet else []
+
+
+# --- validate / run ---------------------------------------------------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from asyncrl.config import load_config
+    from asyncrl.configurable import to_dict
+
+    cfg = load_config(args.config, args.overrides)
+    _check_pairings(cfg)
+    if not args.quiet:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    print(f"ok: {args.config} is a valid config", file=sys.stderr)
+    return 0
+
+
+def _check_pairings(cfg: Any) -> None:
+    """The checks the pipeline makes when it is built (estimator/cache/engine pairings), without Ray."""
+    from asyncrl.pipeline import check_build
+
+    try:
+        check_build(cfg, None)
+    except ValueError as err:  # a ConfigError is a ValueError too and keeps its own message
+        raise CLIError(str(err), EXIT_USAGE) from None
+
+
+def _num(value: Any, spec: str) -> str:
+    """``format(value, spec)``; ``-`` for a missing value, integral floats accepted by ``d``."""
+    if value is None:
+        return "-"
+    if spec == "d" and isinstance(value, float):
+        return format(int(value), "d") if value.is_integer() else format(value, "g")
+    return format(value, spec)
+
+
+def pretrain_command(task: str, preset: str, seed: int, cache_dir: str) -> str:
+    """The exact ``asyncrl pretrain`` command that creates the checkpoints a run looks for."""
+    cmd = f"asyncrl pretrain --task {task} --preset {preset}"
+    cmd += f" --seed {seed}" if seed != 0 else ""
+    return cmd + (f" --cache-dir {cache_dir}" if cache_dir != ".asyncrl_cache" else "")
+
+
+def _check_checkpoints(cfg: Any) -> None:
+    """Before Ray starts: the preset's pretrained pair must be in the cache (explicit paths are the
+    pipeline's to check). Fails with the exact pretrain command."""
+    from asyncrl.workloads.checkpoints import missing_parts
+    from asyncrl.workloads.pretrain import run_dir_for
+
+    w = cfg.workload
+    if w.teacher_path or w.student_path:
+        return
+    root = run_dir_for(w.task, w.preset, w.pretrain_seed, w.cache_dir)
+    roles = ("teacher", "student") if cfg.algo == "opd" else ("student",)
+    for role in roles:
+        missing = missing_parts(root / role)
+        if missing:
+            what = (
+                "does not exist"
+                if missing == ["directory"]
+                else f"is incomplete (missing {', '.join(missing)})"
+            )
+            cmd = pretrain_command(w.task, w.preset, w.pretrain_seed, w.cache_dir)
+            raise CLIError(f"the pretrained {role} {root / role} {what}; create it with: {cmd}")
+
+
+def _summary_lines(summary: Mapping[str, Any]) -> list[str]:
+    def f(key: str, spec: str = ".3g") -> str:
+        return _num(summary.get(key), spec)
+
+    return [
+        f"steps {f('steps', 'd')}  samples trained {f('samples_trained', 'd')}  "
+        f"dropped {f('samples_dropped', 'd')}  wall {f('wall_time_s', '.1f')} s  "
+        f"samples/s {f('samples_per_s', '.1f')}",
+        f"lag p50 {f('lag_p50', 'g')}  max {f('lag_max', 'd')}  "
+        f"eval accuracy {f('eval_accuracy_initial')} -> {f('eval_accuracy_final')}",
+    ]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import asyncrl
+    from asyncrl.config import load_config
+
+    cfg = load_config(args.config, [*args.overrides, *_quiet_overrides(args)])
+    _check_pairings(cfg)  # fail before any process starts
+    _check_checkpoints(cfg)
+    _say(args, f"run: {cfg.algo} with {cfg.estimator.name}, max_lag {cfg.pipeline.max_lag} -> {cfg.run_dir}")
+    result = asyncrl.run(cfg)
+    for line in _summary_lines(result.summary):
+        print(line)
+    print(f"run directory: {result.run_dir}   (report: asyncrl report {result.run_dir})")
+    return 0
+
+
+# --- report ----------------------------------------------------------------------------------------
+def cmd_report(args: argparse.Namespace) -> int:
+    from asyncrl.telemetry.report import write_report
+
+    path = write_report(args.runs, args.output)
+    print(f"report: {path}")
+    return 0
+
+
+# --- pretrain / eval ---------------------------------------------------------------------------------
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from asyncrl.workloads.pretrain import pretrain
+
+    res = pretrain(
+        task=args.task,
+        preset=args.preset,
+        cache_dir=args.cache_dir,
+        seed=args.seed,
+        force=args.force,
+        progress=not args.quiet,
+    )
+    print(f"teacher: {res.teacher_dir}  exact match {res.teacher_accuracy:.3f}")
+    print(f"student: {res.student_dir}  exact match {res.student_accuracy:.3f}")
+    how = "reused from the cache" if getattr(res, "reused", False) else "trained"
+    print(f"{how} in {res.wall_time_s:.1f} s")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from asyncrl.workloads.checkpoints import load_model
+    from asyncrl.workloads.evaluate import exact_match
+    from asyncrl.workloads.tasks import get_task
+
+    if args.n < 1:
+        raise CLIError(f"--n must be >= 1; got {args.n}", EXIT_USAGE)
+    torch.set_num_threads(args.threads)
+    task = get_task(args.task)
+    hint = f"run `asyncrl pretrain --task {args.task} --preset small` and pass a directory it prints"
+    model, tokenizer = load_model(args.model, hint=hint)
+    examples = task.make_examples("eval", args.n, args.seed)
+    max_new = args.max_new_tokens or task.max_answer_chars + 1  # + EOS
+    acc = exact_match(model, tokenizer, task, examples, max_new_tokens=max_new, batch_size=args.batch_size)
+    print(f"{args.model}: exact match {acc:.4f} on {len(examples)} {args.task} eval examples (greedy)")
+    return 0
+
+
+# --- ls ----------------------------------------------------------------------------------------------
+def _first_doc_line(obj: Any) -> str:
+    """The first sentence of the description (a ``doc`` attribute, else the docstring), one line."""
+    doc = getattr(obj, "doc", None)
+    if not isinstance(doc, str) or not doc.strip():
+        doc = inspect.getdoc(obj) or ""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split()).replace("``", "")
+    head, sep, _ = paragraph.partition(". ")
+    return (head + "." if sep else paragraph) or "(no description)"
+
+
+def _registry(kind: str) -> Any:
+    import importlib
+
+    module, attr = REGISTRIES[kind]
+    return getattr(importlib.import_module(module), attr)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    kinds = [args.kind] if args.kind else list(REGISTRIES)
+    for kind in kinds:
+        entries = list(_registry(kind).items())
+        if len(kinds) > 1:
+            print(f"{kind}:")
+        width = max((len(name) for name, _ in entries), default=0)
+        indent = "  " if len(kinds) > 1 else ""
+        for name, obj in entries:
+            print(f"{indent}{name.ljust(width)}  {_first_doc_line(obj)}")
+        if not entries:
+            print(f"{indent}(none registered)")
+    return 0
+
+
+# --- demo --------------------------------------------------------------------------------------------
+def demo_table(
+    teacher_accuracy: float | None,
+    sync: Mapping[str, Any],
+    async_: Mapping[str, Any],
+    report_path: str | Path,
+    *,
+    student_accuracy: float | None = None,
+) -> str:
+    """The demo's result table from two run summaries (``summary.json`` dicts). Pure: tested alone.
+
+    ``speedup`` is async samples/s over sync samples/s (both runs train the same steps and batch).
+    ``student_accuracy`` (the pretrained student) stands in when a summary lacks the initial eval.
+    """
+    runs = (sync, async_)
+    speed = [s.get("samples_per_s") for s in runs]
+    speedup = speed[1] / speed[0] if speed[0] and speed[1] is not None else None
+    header = (
+        "",
+        f"sync (max_lag {_num(sync.get('max_lag'), 'd')})",
+        f"async (max_lag {_num(async_.get('max_lag'), 'd')})",
+    )
+
+    def both(key: str, spec: str) -> tuple[str, str]:
+        return (_num(sync.get(key), spec), _num(async_.get(key), spec))
+
+    def initial(s: Mapping[str, Any]) -> str:
+        value = s.get("eval_accuracy_initial")
+        return _num(value if value is not None else student_accuracy, ".3f")
+
+    rows: list[tuple[str, ...]] = [
+        header,
+        ("teacher accuracy", _num(teacher_accuracy, ".3f"), ""),
+        ("student accuracy before", initial(sync), initial(async_)),
+        ("student accuracy after", *both("eval_accuracy_final", ".3f")),
+        ("wall time (s)", *both("wall_time_s", ".1f")),
+        ("samples/s", *both("samples_per_s", ".1f")),
+        ("speedup (samples/s)", "1.00x", _num(speedup, ".2f") + ("x" if speedup is not None else "")),
+        (
+            "lag p50 / max",
+            f"{_num(sync.get('lag_p50'), 'g')} / {_num(sync.get('lag_max'), 'd')}",
+            f"{_num(async_.get('lag_p50'), 'g')} / {_num(async_.get('lag_max'), 'd')}",
+        ),
+        ("dropped samples", *both("samples_dropped", "d")),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"report: {report_path}")
+    return "\n".join(lines)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import asyncrl
+    from asyncrl.config import load_config
+    from asyncrl.telemetry.report import write_report
+    from asyncrl.workloads.pretrain import pretrain
+
+    if args.steps < 1:
+        raise CLIError(f"--steps must be >= 1; got {args.steps}", EXIT_USAGE)
+    root = Path(args.run_root)
+    base = [
+        f"workload.task={args.task}",
+        f"workload.preset={args.preset}",
+        f"workload.cache_dir={args.cache_dir}",
+        f"workload.pretrain_seed={args.seed}",
+        f"seed={args.seed}",
+        f"train.steps={args.steps}",
+        "pipeline.resume=false",
+        *DEMO_OVERRIDES,
+        *args.overrides,
+        *_quiet_overrides(args),
+    ]
+    runs = {  # both configs are checked before anything trains
+        label: load_config(None, [*base, f"run_dir={root / label}", f"pipeline.max_lag={lag}"])
+        for label, lag in (("sync", 0), ("async", args.max_lag))
+    }
+    for cfg in runs.values():
+        _check_pairings(cfg)
+    _say(args, f"[1/4] teacher and student: pretrain or reuse ({args.task}, preset {args.preset})")
+    pre = pretrain(
+        task=args.task, preset=args.preset, cache_dir=args.cache_dir, seed=args.seed, progress=not args.quiet
+    )
+    summaries = {}
+    for i, (label, cfg) in enumerate(runs.items()):
+        _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
+        summaries[label] = asyncrl.run(cfg).summary
+    _say(args, "[4/4] report over both runs")
+    report = write_report(
+        [root / "sync", root / "async"], root / "report.html", title="asyncrl demo: sync vs async"
+    )
+    print(
+        demo_table(
+            pre.teacher_accuracy,
+            summaries["sync"],
+            summaries["async"],
+            report,
+            student_accuracy=pre.student_accuracy,
+        )
+    )
+    return 0
+
+
+# --- parser ------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    import asyncrl
+
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a subcommand's --quiet must not reset one given before the subcommand.
+    common.add_argument(
+        "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress output (CI, logs)"
+    )
+    parser = argparse.ArgumentParser(
+        prog="asyncrl",
+        description="Asynchronous on-policy distillation and RL post-training on Ray.",
+        epilog="Start with `asyncrl demo`. Docs: docs/config_reference.md, examples/.",
+    )
+    parser.add_argument("--version", action="version", version=f"asyncrl {asyncrl.__version__}")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", default=False, help="no progress output (CI, logs)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str, description: str) -> Any:
+        p = sub.add_parser(name, parents=[common], help=help, description=description)
+        p.set_defaults(func=func)
+        return p
+
+    def overrides(p: Any) -> None:
+        p.add_argument(
+            "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.steps=10"
+        )
+
+    p = add(
+        "demo",
+        cmd_demo,
+        "pretrain (or reuse) a teacher/student, run sync vs async OPD, print the table, write the report",
+        "Pretrains (or reuses) the built-in teacher and student, runs async OPD (max_lag 2) and a sync "
+        "baseline (max_lag 0) through the same pipeline, prints the comparison and writes an HTML report.",
+    )
+    p.add_argument("--preset", default="small", help="model preset (asyncrl ls presets); default small")
+    p.add_argument("--task", default="addition", help="built-in task (asyncrl ls tasks); default addition")
+    p.add_argument(
+        "--steps", type=int, default=DEMO_STEPS, help=f"optimizer steps per run; default {DEMO_STEPS}"
+    )
+    p.add_argument("--max-lag", type=int, default=DEMO_MAX_LAG, help="staleness bound of the async run")
+    p.add_argument("--run-root", default="runs/demo", help="runs go to RUN_ROOT/sync and RUN_ROOT/async")
+    p.add_argument("--cache-dir", default=".asyncrl_cache", help="pretrained checkpoint cache")
+    p.add_argument("--seed", type=int, default=0, help="seed of pretraining and both runs")
+    overrides(p)
+
+    p = add("run", cmd_run, "run a config", "Run the pipeline from a YAML config plus key=value overrides.")
+    p.add_argument("config", help="YAML config (see examples/configs/)")
+    overrides(p)
+
+    p = add(
+        "validate",
+        cmd_validate,
+        "check a config and print it resolved",
+        "Load a YAML config plus overrides, resolve component names, print the resolved config. "
+        "Exit 0 if valid, 2 with the field, the value and the fix otherwise.",
+    )
+    p.add_argument("config", help="YAML config")
+    overrides(p)
+
+    p = add(
+        "report",
+        cmd_report,
+        "HTML staleness report over one or more run directories",
+        "Write one self-contained HTML page (plots embedded) over the given runs, overlaid.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="output file (default RUN/report.html, or the runs' common parent)",
+    )
+
+    p = add(
+        "pretrain",
+        cmd_pretrain,
+        "pretrain (or reuse) the built-in teacher and student",
+        "Train the built-in teacher and a weaker student on a synthetic task and cache them.",
+    )
+    p.add_argument("--task", default="addition", help="built-in task (asyncrl ls tasks)")
+    p.add_argument("--preset", default="small", help="model preset (asyncrl ls presets)")
+    p.add_argument("--cache-dir", default=".asyncrl_cache", help="checkpoint cache directory")
+    p.add_argument("--seed", type=int, default=0, help="pretraining seed")
+    p.add_argument("--force", action="store_true", help="retrain even if cached checkpoints exist")
+
+    p = add(
+        "eval",
+        cmd_eval,
+        "greedy exact match of a checkpoint directory on a task",
+        "Greedy exact-match accuracy of an HF checkpoint directory (model + tokenizer) on a task eval split.",
+    )
+    p.add_argument("--model", required=True, help="checkpoint directory (save_pretrained layout)")
+    p.add_argument("--task", default="addition", help="task (asyncrl ls tasks)")
+    p.add_argument("--n", type=int, default=256, help="number of eval examples")
+    p.add_argument("--seed", type=int, default=0, help="seed of the eval examples")
+    p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="default: the task's longest answer + 1")
+    p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1), help="torch threads")
+
+    p = add(
+        "ls", cmd_ls, "list registered components", "List registered components with a one-line description."
+    )
+    p.add_argument("kind", nargs="?", choices=list(REGISTRIES), help="what to list (default: everything)")
+    return parser
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``asyncrl`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if not hasattr(args, "quiet"):
+        args.quiet = False
+    if os.environ.get("ASYNCRL_DEBUG"):
+        return args.func(args)
+    from asyncrl.configurable import ConfigError
+    from asyncrl.registry import RegistryError
+
+    try:
+        return args.func(args)
+    except CLIError as err:
+        print(f"asyncrl: error: {_one_line(err)}", file=sys.stderr)
+        return err.code
+    except (ConfigError, RegistryError) as err:
+        print(f"asyncrl: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except FileNotFoundError as err:
+        print(f"asyncrl: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("asyncrl: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        print(
+            f"asyncrl: error: {type(err).__name__}: {_one_line(err)} (ASYNCRL_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""GradientAlignment (GAC): damp progress along the previous step's gradient (arXiv 2603.01501, spec 4.4).
+
+Asynchronous training shows persistently high cosine between consecutive gradients: a stale
+batch still carries the old policy's signal and keeps pushing along the direction already
+taken (an unconfigured momentum that overshoots); synchronous training gives near-orthogonal
+consecutive gradients. With the reference ``r`` = previous step's (post-transform) gradient
+and ``c = cos(g, r)``, GAC acts only when ``c > tau`` and the batch max lag is ``>= min_lag``:
+
+- ``cap``: shrink the component along ``r_hat`` so that ``cos(g', r) = tau`` exactly; the
+  orthogonal part is unchanged.
+- ``project``: ``g' = g - lam <g, r_hat> r_hat``.
+- ``skip``: zero the gradient (the reference is kept). With Adam a zero gradient still decays
+  the moments and applies the momentum step; it is not an optimizer skip.
+
+Low or negative cosine is never touched (this is not PCGrad). The decision needs only
+``<g, r>``, ``|g|^2``, ``|r|^2``: with ``sharded=True`` (ZeRO/FSDP) these three numbers are
+all-reduced, so every shard applies the same ``g' = scale_g g + coef_r r``. Runs after the
+DP all-reduce and before grad-norm clipping. Costs one gradient copy.
+"""
+
+
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from asyncrl.configurable import check, field
+from asyncrl.controllers.base import StepContext
+from asyncrl.controllers.factory import CONTROLLERS
+from asyncrl.controllers.functional import AlignMode, alignment_from_dots
+
+Ref = Literal["prev", "ema"]
+
+
+@dataclass(frozen=True)
+class GradientAlignmentConfig:
+    tau: float = field(0.5, help="cosine threshold: act only when cos(g, r) > tau; in (-1, 1)")
+    mode: AlignMode = field(
+        "cap", help="cap: cos(g', r) = tau; project: remove lam of the r component; skip: zero g"
+    )
+    lam: float = field(1.0, help="fraction of the r component removed in project mode")
+    min_lag: int = field(1, help="act only if the batch max lag >= min_lag (1 keeps the sync path untouched)")
+    ref: Ref = field("prev", help="reference: prev = last step's gradient, ema = EMA of past gradients")
+    beta: float = field(0.9, help="EMA factor for ref=ema")
+    sharded: bool = field(False, help="gradients are sharded across ranks (ZeRO/FSDP): all-reduce the dots")
+
+    def __post_init__(self) -> None:
+        check(-1 < self.tau < 1, "tau", self.tau, "use a cosine threshold in (-1, 1), e.g. 0.5")
+        check(0 <= self.lam <= 1, "lam", self.lam, "use a value in [0, 1] (1 = remove the whole component)")
+        check(self.min_lag >= 0, "min_lag", self.min_lag, "use an integer >= 0")
+        check(0 <= self.beta < 1, "beta", self.beta, "use a value in [0, 1)")
+
+
+@CONTROLLERS.register("gradient_alignment")
+class GradientAlignment:
+    """GAC gradient transform. Metrics: ``gac/cos_prev``, ``gac/active``, ``gac/skipped``,
+    ``gac/par_frac_removed`` (1 - a'/a), ``gac/grad_norm_pre``, ``gac/grad_norm_post``."""
+
+    name = "gradient_alignment"
+    Config = GradientAlignmentConfig
+
+    def __init__(
+        self,
+        tau: float = 0.5,
+        mode: AlignMode = "cap",
+        lam: float = 1.0,
+        min_lag: int = 1,
+        ref: Ref = "prev",
+        beta: float = 0.9,
+        sharded: bool = False,
+    ) -> None:
+        self.config = GradientAlignmentConfig(
+            tau=tau, mode=mode, lam=lam, min_lag=min_lag, ref=ref, beta=beta, sharded=sharded
+        )
+        self.reference: list[torch.Tensor] | None = None
+        self.n_active = 0
+        self._metrics: dict[str, float] = {}
+
+    def _dots(self, grads: Sequence[torch.Tensor]) -> tuple[float, float, float]:
+        assert self.reference is not None
+        acc = torch.zeros(3, dtype=torch.float64)
+        for g, r in zip(grads, self.reference):
+            gf = g.detach().reshape(-1).to(r.dtype)
+            rf = r.reshape(-1)
+            acc += torch.stack([torch.dot(gf, rf), torch.dot(gf, gf), torch.dot(rf, rf)]).double()
+        if self.config.sharded:
+            import torch.distributed as dist
+
+            dist.all_reduce(acc, op=dist.ReduceOp.SUM)
+        return float(acc[0]), float(acc[1]), float(acc[2])
+
+    def _check(self, grads: Sequence[torch.Tensor]) -> None:
+        assert self.reference is not None
+        shapes = [tuple(g.shape) for g in grads]
+        ref_shapes = [tuple(r.shape) for r in self.reference]
+        if shapes != ref_shapes:
+            raise ValueError(
+                f"GradientAlignment got gradients of shapes {shapes[:4]}... but its reference has "
+                f"{ref_shapes[:4]}...: pass the same parameter list (in the same order) every step"
+            )
+
+    @torch.no_grad()
+    def _update_reference(self, grads: Sequence[torch.Tensor]) -> None:
+        if self.reference is None:
+            self.reference = [
+                g.detach().to(torch.promote_types(g.dtype, torch.float32)).clone() for g in grads
+            ]
+            return
+        for r, g in zip(self.reference, grads):
+            if self.config.ref == "prev":
+                r.copy_(g)
+            else:
+                r.mul_(self.config.beta).add_(g.to(r.dtype), alpha=1 - self.config.beta)
+
+    @torch.no_grad()
+    def transform_gradient(self, grads: Sequence[torch.Tensor], ctx: StepContext) -> None:
+        """In place on ``grads`` (the parameters' ``.grad`` tensors, after the DP all-reduce)."""
+        grads = list(grads)
+        if self.reference is None:
+            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+            self._metrics = {
+                "gac/active": 0.0,
+                "gac/skipped": 0.0,
+                "gac/grad_norm_pre": norm,
+                "gac/grad_norm_post": norm,
+            }
+            self._update_reference(grads)
+            return
+        self._check(grads)
+        dot, g_sq, r_sq = self._dots(grads)
+        cfg = self.config
+        al = alignment_from_dots(dot, g_sq, r_sq, tau=cfg.tau, mode=cfg.mode, lam=cfg.lam)
+        lag_max = int(ctx.lags_global.max()) if ctx.lags_global.numel() else 0
+        act = al.active and lag_max >= cfg.min_lag
+        post_sq = g_sq
+        if act:
+            for g, r in zip(grads, self.reference):
+                if al.scale_g == 0.0:
+                    g.zero_()
+                else:
+                    g.add_(r.to(g.dtype), alpha=al.coef_r)
+            # |g'|^2 = |g|^2 - a^2 + a'^2 (the orthogonal part is unchanged)
+            post_sq = 0.0 if al.scale_g == 0.0 else max(g_sq - al.a**2 + al.a_new**2, 0.0)
+            self.n_active += 1
+        self._metrics = {
+            "gac/cos_prev": al.cos,
+            "gac/active": float(act),
+            "gac/skipped": float(act and al.scale_g == 0.0),
+            "gac/grad_norm_pre": math.sqrt(g_sq),
+            "gac/grad_norm_post": math.sqrt(post_sq),
+            "gac/active_total": float(self.n_active),
+        }
+        if act and al.a != 0:
+            self._metrics["gac/par_frac_removed"] = 1.0 - al.a_new / al.a
+        if not (act and al.scale_g == 0.0):  # a skipped step keeps its reference
+            self._update_reference(grads)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        ref = None if self.reference is None else [r.clone() for r in self.reference]
+        return {"reference": ref, "n_active": self.n_active}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ref = state.get("reference")
+        self.reference = None if ref is None else [torch.as_tensor(r).clone() for r in ref]
+        self.n_active = int(state.get("n_active", 0))

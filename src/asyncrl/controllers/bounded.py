@@ -1,0 +1,145 @@
+"""BoundedStaleness: the hard per-sample bound ``lag <= S`` (DESIGN.md section 2, spec 4.1).
+
+Two mechanisms, because either alone is not enough (spec section 0.1):
+
+- **admission** (AReaL/SkyRL/tinker capacity): a rollout of ``n`` samples may start only if
+  ``in_flight + n <= (S + 1) B``, where in-flight = started but not yet trained or dropped.
+  This bounds staleness in aggregate and keeps generators from running ahead; with S = 0
+  exactly one step of work is in flight (lock-step, synchronous on-policy).
+- **consumption gate** (prime-rl/TRL): ``keep`` drops every sample whose head lag
+  ``v_L - v_first`` exceeds S, group-atomically (a group's lag is the max over its members).
+  This is what makes the bound strict for stragglers. It is meant to run on arrival *and*
+  again at batch assembly, since a sample can age in the queue.
+
+Drops are counted with a reason (``lag``: the sample itself was too old; ``group``: a member
+of its group was), never silent. ``straggler="accept_and_log"`` keeps late samples and
+counts them as ``staleness/violations`` instead (AReaL/SkyRL behaviour; voids the guarantee).
+"""
+
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from asyncrl.configurable import check, field
+from asyncrl.controllers.base import AdmissionRequest, SampleInfo
+from asyncrl.controllers.factory import CONTROLLERS
+from asyncrl.controllers.verdicts import DropCounter, group_max
+
+Straggler = Literal["drop", "accept_and_log"]
+
+
+@dataclass(frozen=True)
+class BoundedStalenessConfig:
+    max_lag: int = field(2, help="S: max head lag (learner version - version of the first token); 0 = sync")
+    straggler: Straggler = field(
+        "drop", help="what happens to a sample with lag > S: drop it, or keep it and count a violation"
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            isinstance(self.max_lag, int) and self.max_lag >= 0,
+            "max_lag",
+            self.max_lag,
+            "use 0 (synchronous) or a positive integer number of optimizer steps",
+        )
+        check(
+            self.straggler in ("drop", "accept_and_log"),
+            "straggler",
+            self.straggler,
+            "use 'drop' or 'accept_and_log'",
+        )
+
+
+def capacity(max_lag: int, batch_size: int) -> int:
+    """Samples that may be started-but-untrained at once: ``(S + 1) B``."""
+    return (max_lag + 1) * batch_size
+
+
+@CONTROLLERS.register("bounded_staleness")
+class BoundedStaleness:
+    """Admission capacity ``(S+1) B`` plus a group-atomic consumption gate ``lag <= S``.
+
+    Metrics cover the ``keep`` calls since the window was last reported (by ``metrics`` or
+    ``after_step``), i.e. one learner step: ``staleness/lag_mean``,
+    ``staleness/lag_max`` of kept samples, ``staleness/dropped`` and
+    ``staleness/dropped/{lag,group}``, ``staleness/dropped_total`` (whole run),
+    ``staleness/violations`` (accept_and_log only).
+    """
+
+    name = "bounded_staleness"
+    Config = BoundedStalenessConfig
+
+    def __init__(self, max_lag: int = 2, straggler: Straggler = "drop") -> None:
+        self.config = BoundedStalenessConfig(max_lag=max_lag, straggler=straggler)
+        self.drops = DropCounter()
+        self.violations_total = 0
+        self._window: dict[str, float] = {}
+        self._new_window = False
+
+    @property
+    def max_lag(self) -> int:
+        return self.config.max_lag
+
+    def admit(self, req: AdmissionRequest) -> bool:
+        return req.in_flight + req.n <= capacity(self.max_lag, req.batch_size)
+
+    def keep(self, info: SampleInfo, learner_version: int) -> np.ndarray:
+        """[N] bool: True iff every member of the sample's group has head lag <= S."""
+        if self._new_window:
+            self.drops.reset_window()
+            self._window = {}
+            self._new_window = False
+        lag = np.asarray(info.lag(learner_version), dtype=np.int64)
+        if (lag < 0).any():
+            raise ValueError(
+                f"version_first > learner version {learner_version} for samples "
+                f"{np.asarray(info.sample_id)[lag < 0][:5].tolist()}: "
+                f"versions must come from the learner's counter"
+            )
+        own_ok = lag <= self.max_lag
+        group_ok = group_max(lag, info.group_id) <= self.max_lag
+        if self.config.straggler == "accept_and_log":
+            keep = np.ones_like(own_ok)
+            n_viol = int((~own_ok).sum())
+            self.violations_total += n_viol
+            self._window["violations"] = self._window.get("violations", 0.0) + n_viol
+        else:
+            keep = group_ok
+            self.drops.add("lag", int((~own_ok).sum()))
+            self.drops.add("group", int((own_ok & ~group_ok).sum()))
+        kept = lag[keep]
+        if kept.size:
+            n_prev = self._window.get("n_kept", 0.0)
+            total = self._window.get("lag_sum", 0.0) + float(kept.sum())
+            self._window["n_kept"] = n_prev + kept.size
+            self._window["lag_sum"] = total
+            self._window["lag_max"] = max(self._window.get("lag_max", 0.0), float(kept.max()))
+        return keep
+
+    def after_step(self, ctx: Any) -> None:
+        self._new_window = True  # the next keep() starts the next step's window
+
+    def metrics(self) -> dict[str, float]:
+        self._new_window = True  # reported: the next keep() starts a new window
+        out = self.drops.metrics("staleness")
+        n = self._window.get("n_kept", 0.0)
+        if n:
+            out["staleness/lag_mean"] = self._window["lag_sum"] / n
+            out["staleness/lag_max"] = self._window["lag_max"]
+        if self.config.straggler == "accept_and_log":
+            out["staleness/violations"] = self._window.get("violations", 0.0)
+            out["staleness/violations_total"] = float(self.violations_total)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drops": self.drops.state_dict(), "violations_total": self.violations_total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drops.load_state_dict(state.get("drops", {}))
+        self.violations_total = int(state.get("violations_total", 0))
+        self._window = {}

@@ -1,0 +1,303 @@
+"""``HFEngine``: batched KV-cache sampling with any ``transformers`` causal LM (the CPU default).
+
+Why not ``model.generate``: the staleness math needs, for every generated token, the
+log-probability under the *exact* sampling distribution ``pi_b = softmax(z / tau)``
+(untruncated, no top-k/top-p), the policy version that produced it, and optionally ``m``
+extra draws per position from that same distribution. This loop produces all of them in
+one pass and is at least as fast as ``generate`` at toy scale (``benchmarks/engine_throughput.py``).
+
+Conventions (shared with ``asyncrl.records``): prompts are left-padded; positions are
+``cumsum(mask) - 1`` (``records.position_ids``), so ``behavior_logprobs`` equal a
+teacher-forced forward pass over prompt+completion (``records.completion_logits``) up to
+float error. A row stops at its first EOS (which is kept and masked valid); later slots
+hold the pad id and are masked out. The loop ends as soon as every row has finished.
+
+Per step ``t`` with logits ``z_t`` [B, V]:
+    log pi_b(. | prefix) = log_softmax(z_t / tau)                       (tau > 0)
+    y_t ~ pi_b, and for m > 0: mc_ids[:, t] = m i.i.d. draws (with replacement), column 0 = y_t
+    tau = 0: greedy, y_t = argmax z_t; pi_b is a point mass, so its log-probabilities are 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl import records
+from asyncrl.engines.base import SamplingParams
+
+
+class HFEngine:
+    """Rollout engine over a ``PreTrainedModel`` (``RolloutEngine`` protocol).
+
+    Args:
+        model: a causal LM taking ``input_ids, attention_mask, position_ids`` and a KV cache;
+            it is put in eval mode (no dropout: the sampling distribution must be exact).
+        tokenizer_or_ids: a tokenizer (its ``pad_token_id`` / ``eos_token_id`` are used), or a
+            mapping ``{"pad_id": int, "eos_id": int | list[int]}``.
+        version: policy version of the current weights (stamped on every generated token).
+    """
+
+    name = "hf"
+    supports_mc = True
+
+    def __init__(self, model: torch.nn.Module, tokenizer_or_ids: Any, *, version: int = 0) -> None:
+        self.model = model.eval()
+        self.tokenizer: Any | None
+        if isinstance(tokenizer_or_ids, Mapping):
+            self.tokenizer = None
+            pad_id, eos = tokenizer_or_ids.get("pad_id"), tokenizer_or_ids.get("eos_id")
+        else:
+            self.tokenizer = tokenizer_or_ids
+            pad_id, eos = tokenizer_or_ids.pad_token_id, tokenizer_or_ids.eos_token_id
+        config = getattr(model, "config", None)
+        if eos is None and config is not None:
+            eos = getattr(config, "eos_token_id", None)
+        if eos is None:
+            raise ValueError("HFEngine needs an EOS id: give a tokenizer with eos_token or {'eos_id': ...}")
+        self.eos_ids: tuple[int, ...] = tuple(
+            int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])
+        )
+        self.eos_id: int = self.eos_ids[0]
+        self.pad_id: int = int(pad_id) if pad_id is not None else self.eos_id
+        self._version = _check_version(version)
+        params = inspect.signature(model.forward).parameters
+        # transformers >= 5.2x renamed the KV-cache kwarg ``past_key_values`` -> ``cache``
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_logits = "logits_to_keep" in params
+        self.vocab_size: int | None = getattr(config, "vocab_size", None)
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+
+    # --- construction seam ---------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        version: int = 0,
+        torch_threads: int | None = None,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        attn_implementation: str | None = None,
+    ) -> HFEngine:
+        """Load model + tokenizer from an HF checkpoint directory on local disk (no hub access).
+
+        ``torch_threads`` sets ``torch.set_num_threads`` (one engine per Ray actor).
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        p = Path(path)
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{str(p)!r} is not an HF checkpoint directory (no config.json); pass a directory "
+                f"written by save_pretrained, e.g. from `asyncrl pretrain`"
+            )
+        if torch_threads is not None:
+            torch.set_num_threads(int(torch_threads))
+        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32' or 'bfloat16'")
+        kw: dict[str, Any] = {"local_files_only": True, "dtype": torch_dtype}
+        if attn_implementation is not None:
+            kw["attn_implementation"] = attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kw).to(device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise FileNotFoundError(
+                f"{str(p)!r} has no loadable tokenizer ({err}); save one with tokenizer.save_pretrained(dir)"
+            ) from err
+        return cls(model, tokenizer, version=version)
+
+    # --- versioned weights ---------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``state_dict`` into the model (a DDP ``module.`` prefix is stripped) and set ``version``.
+
+        Keys must match the model's; only tied weights (e.g. ``lm_head.weight`` tied to the
+        embedding) may be absent.
+        """
+        version = _check_version(version)
+        sd = {(k[7:] if k.startswith("module.") else k): v for k, v in state_dict.items()}
+        result = self.model.load_state_dict(sd, strict=False)
+        tied = _tied_keys(self.model)
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"load_weights: state_dict does not match the engine's model: missing {missing[:5]}, "
+                f"unexpected {list(result.unexpected_keys)[:5]}; "
+                f"send model.state_dict() of the same architecture"
+            )
+        self._version = version
+
+    # --- generation ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        *,
+        seed: int,
+    ) -> dict[str, torch.Tensor]:
+        """Sample completions for left-padded prompts ``[B, P]``; see the module docstring.
+
+        Returns ``completion_ids`` [B, T] int64, ``completion_mask`` [B, T] bool,
+        ``behavior_logprobs`` [B, T] float32, ``token_versions`` [B, T] int32 and, for
+        ``m = params.mc_samples > 0``, ``mc_ids`` [B, T, m] int64 and ``mc_behavior_logprobs``
+        [B, T, m] float32, where ``T <= params.max_new_tokens`` is the longest completion.
+        One call uses one set of weights, so ``token_versions`` is ``self.version`` everywhere
+        (padding included). Padded positions hold the pad id and log-probability 0.
+        """
+        device = _device_of(self.model)
+        prompt_ids, prompt_mask = self._check_prompts(prompt_ids, prompt_mask, params)
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+        B, P = prompt_ids.shape
+        N, m = params.max_new_tokens, params.mc_samples
+        k = max(m, 1)  # draws per position; column 0 is the generated token
+
+        attn = torch.ones((B, P + N), dtype=torch.long, device=device)
+        attn[:, :P] = prompt_mask
+        n_prompt = prompt_mask.sum(1, keepdim=True)  # [B, 1]: first completion position
+        eos = torch.tensor(self.eos_ids, device=device)
+        gen = torch.Generator(device=device).manual_seed(int(seed))
+
+        ids = torch.full((B, N), self.pad_id, dtype=torch.int64, device=device)
+        mask = torch.zeros((B, N), dtype=torch.bool, device=device)
+        draws_out = torch.full((B, N, k), self.pad_id, dtype=torch.int64, device=device)
+        logp_out = torch.zeros((B, N, k), dtype=torch.float32, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+
+        cache = _new_cache(self.model)
+        logits = self._step(prompt_ids, attn[:, :P], records.position_ids(prompt_mask), cache)
+        T = 0
+        for t in range(N):
+            draws, logp = _draw(logits, params.temperature, k, gen)  # [B, k], [B, k]
+            live = ~finished
+            draws = torch.where(live[:, None], draws, self.pad_id)
+            draws_out[:, t] = draws
+            logp_out[:, t] = torch.where(live[:, None], logp, 0.0)
+            ids[:, t] = draws[:, 0]
+            mask[:, t] = live
+            finished = finished | torch.isin(draws[:, 0], eos)
+            T = t + 1
+            if t == N - 1 or bool(finished.all()):
+                break
+            logits = self._step(draws[:, :1], attn[:, : P + t + 1], n_prompt + t, cache)
+
+        out = {
+            records.COMPLETION_IDS: ids[:, :T].contiguous(),
+            records.COMPLETION_MASK: mask[:, :T].contiguous(),
+            records.BEHAVIOR_LOGPROBS: logp_out[:, :T, 0].contiguous(),
+            records.TOKEN_VERSIONS: torch.full((B, T), self._version, dtype=torch.int32, device=device),
+        }
+        if m > 0:
+            out[records.MC_IDS] = draws_out[:, :T].contiguous()
+            out[records.MC_BEHAVIOR_LOGPROBS] = logp_out[:, :T].contiguous()
+        return out
+
+    def _step(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """One forward with the KV cache; returns float32 logits of the last position [B, V]."""
+        kw: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        if self._keep_logits:
+            kw["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
+        return out.logits[:, -1].float()
+
+    def _check_prompts(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be asyncrl.engines.SamplingParams, got {type(params).__name__}")
+        prompt_ids, prompt_mask = torch.as_tensor(prompt_ids), torch.as_tensor(prompt_mask)
+        if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
+            raise ValueError(
+                f"prompt_ids and prompt_mask must both be [B, P]; got {tuple(prompt_ids.shape)} and "
+                f"{tuple(prompt_mask.shape)}"
+            )
+        if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+            raise ValueError(f"prompt_ids must be integer token ids, got dtype {prompt_ids.dtype}")
+        if prompt_ids.shape[0] == 0 or prompt_ids.shape[1] == 0:
+            raise ValueError(f"prompt_ids is empty (shape {tuple(prompt_ids.shape)})")
+        mask = prompt_mask.bool()
+        empty = (~mask.any(1)).nonzero().flatten()
+        if len(empty):
+            raise ValueError(
+                f"prompt_mask rows {empty[:5].tolist()} have no valid token; every prompt needs >= 1"
+            )
+        if (mask[:, 1:].long() < mask[:, :-1].long()).any():
+            raise ValueError("prompts must be left-padded (mask 0...0 1...1 per row); use encode_prompts")
+        if self.vocab_size is not None and int(prompt_ids[mask].max()) >= self.vocab_size:
+            raise ValueError(
+                f"prompt_ids has id {int(prompt_ids[mask].max())} >= the model's vocab_size "
+                f"{self.vocab_size}; "
+                f"encode with the model's own tokenizer"
+            )
+        longest = int(mask.sum(1).max())
+        if self.max_positions is not None and longest + params.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"longest prompt ({longest} tokens) + max_new_tokens={params.max_new_tokens} exceeds the "
+                f"model's max_position_embeddings={self.max_positions}; shorten prompts or max_new_tokens"
+            )
+        return prompt_ids.long(), mask
+
+
+def _draw(logits: torch.Tensor, temperature: float, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``k`` i.i.d. draws per row from softmax(logits / tau) and their log-probs, both [B, k]."""
+    if temperature == 0:
+        top = logits.argmax(-1, keepdim=True).expand(-1, k)
+        return top, torch.zeros(top.shape, dtype=torch.float32, device=logits.device)
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # [B, V], exact, untruncated
+    draws = torch.multinomial(logp.exp(), k, replacement=True, generator=gen)
+    return draws, logp.gather(-1, draws)
+
+
+def _new_cache(model: torch.nn.Module) -> Any:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    """State-dict keys of parameters that share storage with an earlier key (tied weights)."""
+    seen: dict[int, str] = {}
+    tied: set[str] = set()
+    for k, v in model.state_dict(keep_vars=True).items():
+        ptr = v.data_ptr()
+        if ptr in seen:
+            tied.add(k)
+        else:
+            seen[ptr] = k
+    return tied
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _check_version(version: int) -> int:
+    try:
+        v = operator.index(version)
+    except TypeError:
+        v = -1
+    if isinstance(version, bool) or v < 0:
+        raise ValueError(f"version must be an int >= 0 (optimizer steps applied), got {version!r}")
+    return v

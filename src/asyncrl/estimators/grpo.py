@@ -1,0 +1,141 @@
+"""GRPO: group-relative advantages and the clipped policy-gradient loss (the RL baseline).
+
+It shares the policy-gradient core (``functional.policy_gradient_loss``) with the sampled
+reverse-KL estimators; only the advantage differs: a sequence-level group-normalised reward
+instead of the dense per-token ``log p − log π_θ``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from asyncrl import records as R
+from asyncrl.configurable import check, field
+from asyncrl.estimators.base import ESTIMATORS, EstimatorOutput, bind_config
+from asyncrl.estimators.columns import check_inputs, check_logprob_column, fill_padding
+from asyncrl.estimators.functional import (
+    gather_logprobs,
+    grpo_advantages,
+    importance_log_ratio,
+    kl_k3,
+    policy_gradient_loss,
+)
+from asyncrl.estimators.reduction import (
+    EstimatorOptions,
+    check_token_weights,
+    masked_max,
+    masked_mean,
+    reduce_loss,
+)
+
+#: log π_ref of each generated token under a frozen reference model; read only when ``kl_coef > 0``.
+#: Not a records contract column: whoever sets ``kl_coef`` must add it to the batch.
+REF_LOGPROBS = "ref_logprobs"
+
+
+@dataclass(frozen=True)
+class GRPOOptions(EstimatorOptions):
+    clip_eps: float | None = field(0.2, help="PPO clip ε on ρ = π_θ/π_b; None = unclipped")
+    clip_eps_high: float | None = field(
+        None, help="upper clip ε_high (DAPO clip-higher, e.g. 0.28); None = clip_eps"
+    )
+    dual_clip: float | None = field(None, help="dual-clip c > 1: caps the loss at −c·A for A < 0; None = off")
+    scale: Literal["std", "none"] = field("std", help="std: (R − mean)/std (GRPO); none: R − mean (Dr.GRPO)")
+    kl_coef: float = field(
+        0.0, help="β of a k3 KL penalty to a reference policy; > 0 needs a 'ref_logprobs' [B, T] column"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(
+            self.clip_eps is None or self.clip_eps > 0, "clip_eps", self.clip_eps, "use a positive ε or None"
+        )
+        check(
+            self.clip_eps_high is None or (self.clip_eps is not None and self.clip_eps_high > 0),
+            "clip_eps_high",
+            self.clip_eps_high,
+            "use a positive ε_high together with clip_eps, or None",
+        )
+        check(self.dual_clip is None or self.dual_clip > 1, "dual_clip", self.dual_clip, "use c > 1 or None")
+        check(self.kl_coef >= 0, "kl_coef", self.kl_coef, "use 0 (off) or a positive coefficient")
+
+
+@ESTIMATORS.register("grpo")
+class GRPO:
+    """GRPO / Dr.GRPO / DAPO-style clipped policy gradient on scalar rewards.
+
+    - Estimand: the policy gradient of the expected reward, with ``A_i = (R_i − mean_g R)/std_g R``
+      broadcast to every token of sample i and ``loss_it = max(−A ρ, −A clip(ρ, 1−ε, 1+ε_high))``.
+    - Cache: none (``cache_kind = None``); reads ``reward``, ``group_id``, ``completion_ids``,
+      ``behavior_logprobs``. Advantages are computed over the members of each group present in
+      the batch, so the pipeline must deliver (and drop) groups whole.
+    - Bias/variance: unclipped it is the importance-weighted (unbiased) REINFORCE gradient with a
+      group baseline (the std scaling and the in-group mean make it slightly biased, as in GRPO);
+      clipping trades variance for bias per token.
+    - Staleness: enters through ρ = π_θ/π_b only; ``kl_coef`` adds ``β·k3(π_θ, π_ref)`` against a
+      frozen *reference* policy (column ``ref_logprobs``), which is not the behavior policy.
+    - Metrics: ``est/clip_frac``, ``est/is_ratio_mean|max``, ``est/reward_mean``,
+      ``est/adv_abs_mean``, ``est/zero_adv_frac`` (samples in zero-variance groups), ``est/kl_ref``.
+    """
+
+    name = "grpo"
+    Config = GRPOOptions
+    cache_kind: str | None = None
+
+    def __init__(self, config: GRPOOptions | None = None, **options: Any) -> None:
+        self.config = bind_config(self.Config, config, options)
+
+    def required_columns(self) -> frozenset[str]:
+        cols = {R.COMPLETION_MASK, R.COMPLETION_IDS, R.BEHAVIOR_LOGPROBS, R.REWARD, R.GROUP_ID}
+        if self.config.kl_coef > 0:
+            cols.add(REF_LOGPROBS)
+        return frozenset(cols)
+
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        token_weights: torch.Tensor | None = None,
+    ) -> EstimatorOutput:
+        cfg = self.config
+        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
+        mask = batch[R.COMPLETION_MASK].bool()
+        check_token_weights(token_weights, mask)
+        lq = gather_logprobs(
+            student_logits, batch[R.COMPLETION_IDS].long(), chunk_size=cfg.chunk_size
+        )  # [B, T]
+        lb = fill_padding(batch[R.BEHAVIOR_LOGPROBS].to(lq.dtype), mask, 0.0)
+        adv = grpo_advantages(batch[R.REWARD], batch[R.GROUP_ID], scale=cfg.scale).to(lq.dtype)  # [B]
+        per_token = policy_gradient_loss(
+            lq, lb, adv, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip
+        )
+        metrics: dict[str, float] = {}
+        if cfg.kl_coef > 0:
+            check_logprob_column(self.name, REF_LOGPROBS, batch[REF_LOGPROBS], mask)
+            ref = fill_padding(batch[REF_LOGPROBS].to(lq.dtype), mask, 0.0)
+            kl = kl_k3(lq, ref)
+            per_token = per_token + cfg.kl_coef * kl
+            metrics["est/kl_ref"] = masked_mean(kl, mask)
+        loss, per_sample = reduce_loss(
+            per_token, mask, token_weights=token_weights, aggregation=cfg.aggregation
+        )
+        with torch.no_grad():
+            rho = importance_log_ratio(lq.detach(), lb).exp()
+            metrics["est/is_ratio_mean"] = masked_mean(rho, mask)
+            metrics["est/is_ratio_max"] = masked_max(rho, mask)
+            if cfg.clip_eps is not None:
+                high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+                a = adv.unsqueeze(-1)
+                clipped = ((a > 0) & (rho > 1 + high)) | ((a < 0) & (rho < 1 - cfg.clip_eps))
+                metrics["est/clip_frac"] = masked_mean(clipped.to(lq.dtype), mask)
+            metrics["est/reward_mean"] = float(batch[R.REWARD].double().mean()) if adv.numel() else 0.0
+            metrics["est/adv_abs_mean"] = float(adv.abs().mean()) if adv.numel() else 0.0
+            metrics["est/zero_adv_frac"] = float((adv == 0).double().mean()) if adv.numel() else 0.0
+        return EstimatorOutput(
+            loss=loss, metrics=metrics, per_sample={"loss": per_sample, "advantage": adv.detach()}
+        )

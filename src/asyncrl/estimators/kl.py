@@ -1,0 +1,127 @@
+"""Deterministic KL estimators on an enumerated support: forward and reverse KL, top-k or dense.
+
+Both are exact sums over the tokens the cache holds, recomputed under the current student at
+learner time, so they have no sampling variance; their bias comes from the tokens the cache
+does *not* hold (the tail rule decides how that mass is treated).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from asyncrl import records as R
+from asyncrl.configurable import field
+from asyncrl.estimators.base import ESTIMATORS, EstimatorOutput, bind_config
+from asyncrl.estimators.columns import check_inputs, fill_padding
+from asyncrl.estimators.functional import (
+    forward_kl_dense,
+    forward_kl_topk_from_logprobs,
+    gather_logprobs,
+    reverse_kl_dense,
+    reverse_kl_topk_from_logprobs,
+)
+from asyncrl.estimators.reduction import EstimatorOptions, check_token_weights, masked_mean, reduce_loss
+
+
+@dataclass(frozen=True)
+class SupportKLOptions(EstimatorOptions):
+    tail: Literal["drop", "bucket", "renorm"] = field(
+        "bucket",
+        help="mass outside the top-k: drop (ignore), bucket (one extra bin, bounded by the full KL) "
+        "or renorm (KL of the conditionals on the support)",
+    )
+    dense: bool = field(False, help="use the full teacher logits (cache 'dense'; small vocabularies only)")
+
+
+class _SupportKL:
+    """Shared body of ForwardKL / ReverseKL: gather on the support, apply the tail rule, reduce."""
+
+    name: str
+    Config = SupportKLOptions
+    _dense_fn: Any
+    _topk_fn: Any
+
+    def __init__(self, config: SupportKLOptions | None = None, **options: Any) -> None:
+        self.config = bind_config(self.Config, config, options)
+        self.cache_kind: str | None = "dense" if self.config.dense else "topk"
+
+    def required_columns(self) -> frozenset[str]:
+        if self.config.dense:
+            return frozenset({R.COMPLETION_MASK, R.TEACHER_LOGITS})
+        return frozenset({R.COMPLETION_MASK, R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS})
+
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        token_weights: torch.Tensor | None = None,
+    ) -> EstimatorOutput:
+        cfg = self.config
+        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
+        mask = batch[R.COMPLETION_MASK].bool()
+        check_token_weights(token_weights, mask)
+        metrics: dict[str, float] = {}
+        if cfg.dense:
+            teacher = fill_padding(batch[R.TEACHER_LOGITS], mask, 0.0)
+            per_token = self._dense_fn(student_logits, teacher)
+        else:
+            ids = batch[R.TEACHER_TOPK_IDS].long()
+            k = ids.shape[-1]
+            lq = gather_logprobs(student_logits, ids, chunk_size=cfg.chunk_size)  # [B, T, k]
+            lp = fill_padding(batch[R.TEACHER_TOPK_LOGPROBS].to(lq.dtype), mask, -math.log(k + 1))
+            per_token = self._topk_fn(lq, lp, tail=cfg.tail)
+            with torch.no_grad():
+                metrics["est/teacher_mass"] = masked_mean(torch.logsumexp(lp, -1).exp(), mask)
+                metrics["est/student_mass"] = masked_mean(torch.logsumexp(lq, -1).exp(), mask)
+        loss, per_sample = reduce_loss(
+            per_token, mask, token_weights=token_weights, aggregation=cfg.aggregation
+        )
+        metrics["est/kl_value"] = masked_mean(per_token, mask)
+        return EstimatorOutput(loss=loss, metrics=metrics, per_sample={"loss": per_sample})
+
+
+@ESTIMATORS.register("forward_kl")
+class ForwardKL(_SupportKL):
+    """E1/E3: ``KL(p‖π_θ)`` on the teacher's top-k support (default) or the full vocabulary.
+
+    - Estimand: ``FKL(s) = Σ_y p (log p − log π_θ)`` per completion position.
+    - Cache: ``topk`` (``teacher_topk_ids``/``teacher_topk_logprobs``, log-probs normalised over
+      the full vocabulary) or ``dense`` (``teacher_logits``) with ``dense=True``.
+    - Bias/variance: zero variance. Exact when dense or k = |V|; otherwise biased by the tail:
+      ``bucket`` gives ``0 ≤ L ≤ FKL`` (gap ``(1−M_p) KL(p|T ‖ π_θ|T)``), ``drop`` drives the
+      student tail to 0, ``renorm`` ignores the student's mass on S.
+    - Staleness: none per token. The loss is teacher-weighted and the support teacher-chosen, so
+      it does not read ``behavior_logprobs``; staleness only enters through which states were
+      visited (``d^{π_b}``). That is why FKL tolerates a larger ``max_lag`` than RKL.
+    - Metrics: ``est/teacher_mass`` = ``M_p(S)``, ``est/student_mass`` = ``M_θ(S)``, ``est/kl_value``.
+    """
+
+    name = "forward_kl"
+    _dense_fn = staticmethod(forward_kl_dense)
+    _topk_fn = staticmethod(forward_kl_topk_from_logprobs)
+
+
+@ESTIMATORS.register("reverse_kl")
+class ReverseKL(_SupportKL):
+    """E2/E4: ``KL(π_θ‖p)`` recomputed under the current student on the teacher's top-k, or dense.
+
+    - Estimand: ``RKL(s) = Σ_y π_θ (log π_θ − log p)``.
+    - Cache: ``topk`` (support S = teacher top-k) or ``dense`` with ``dense=True``.
+    - Bias/variance: zero variance; π_θ is recomputed on S, so no importance ratio is needed.
+      ``bucket`` (default) gives ``0 ≤ L ≤ RKL`` and is stationary at ``π_θ = p``; ``drop`` is not
+      stationary there and pushes mass out of S (the loss can go negative). The tail bias cannot
+      be reweighted away: the cache has no proposal density for the tail ("not MC-correctable").
+    - Staleness: the teacher's top-k does not depend on π_b, but it covers p's modes, not π_θ's,
+      so the bias grows as the student drifts from the teacher.
+    - Metrics: ``est/teacher_mass``, ``est/student_mass`` (coverage ``M_θ(S)``), ``est/kl_value``.
+    """
+
+    name = "reverse_kl"
+    _dense_fn = staticmethod(reverse_kl_dense)
+    _topk_fn = staticmethod(reverse_kl_topk_from_logprobs)

@@ -1,0 +1,494 @@
+"""The learner: ``train_loop_per_worker`` for Ray Train, one readable loop with parts injected.
+
+Per step, top to bottom::
+
+    batch (Ray Data shard) -> consumption gate (controllers.keep) -> student forward
+    -> estimator loss -> backward (DDP all-reduce) -> controllers: token weights were applied
+    in the loss, gradient transform, LR scale for this one step -> optimizer step
+    -> rank 0 publishes weights v+1, then releases admission budget -> telemetry
+
+Learner version ``v`` = optimizer steps applied. A sample's lag at consumption is
+``v - version_first``. Nothing here knows which estimator or controllers run: they are built
+from the config by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl import records as R
+from asyncrl.config import RunConfig
+from asyncrl.controllers import build_chain
+from asyncrl.controllers.base import SampleInfo, StepContext, scaled_lr
+from asyncrl.estimators import build as build_estimator
+from asyncrl.estimators.functional import gather_logprobs
+
+STATE_FILE = "asyncrl_state.json"
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """Everything a Train worker needs (picklable)."""
+
+    cfg: RunConfig
+    student_dir: str
+    run_dir: str
+    namespace: str
+    store_name: str
+    eval_prompts: list[tuple[str, str]]  # (prompt, answer) held-out split
+    resume_dir: str | None = None
+    fail_at_step: int | None = None  # fault injection for resume tests
+    #: Ray Data scheduling tick while a gated generator task is blocked (None = Ray's 0.1 s);
+    #: only set for lock-step (max_lag 0), where the second core is idle anyway
+    executor_tick_s: float | None = None
+
+
+def controller_specs(cfg: RunConfig) -> list[tuple[str, dict[str, Any]]]:
+    """Bounded staleness at ``pipeline.max_lag`` always comes first; user controllers follow."""
+    specs = [("bounded_staleness", {"max_lag": cfg.pipeline.max_lag})]
+    specs += [(c.name, dict(c.options)) for c in cfg.controllers]
+    return specs
+
+
+# --- distributed helpers -----------------------------------------------------------------------
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def all_sum(values: list[float], world: int) -> list[float]:
+    if world == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def all_cat(x: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate a 1-D tensor of any length over ranks (rank order)."""
+    if world == 1:
+        return x
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, x.cpu())
+    return torch.cat(out)
+
+
+def set_executor_tick(seconds: float) -> None:
+    """Shorten Ray Data's scheduling-loop wait (a module constant in Ray 2.60) in this process.
+
+    The streaming executor waits up to 0.1 s for *all* active tasks each loop iteration; a
+    generator task blocked on admission is always active, so in lock-step every hand-off costs
+    1-3 ticks (see shared/research/raydata_latency.md). The executor runs in this worker when
+    ``datasets_to_split=[]``. Silently keeping Ray's default when the constant moved would hide a
+    regression, so a missing attribute raises.
+    """
+    from ray.data._internal.execution import streaming_executor_state as ses
+
+    if not hasattr(ses, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):
+        raise RuntimeError("this Ray version has no WAIT_FOR_TASK_COMPLETION_TIMEOUT_S; pin ray==2.60.0")
+    ses.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = seconds
+
+
+# --- checkpoint ----------------------------------------------------------------------------------
+def save_checkpoint(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    controllers: Any,
+    step: int,
+    ledger: np.ndarray,
+    counters: dict[str, int],
+) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path / "model", safe_serialization=True)
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "controllers": controllers.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+        },
+        path / "trainer_state.pt",
+    )
+    np.save(path / "ledger.npy", ledger)
+    (path / STATE_FILE).write_text(json.dumps({"step": step, "counters": counters}))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint directory with the highest step under RUN/checkpoints, or None."""
+    best, best_step = None, -1
+    for state in Path(run_dir, "checkpoints").glob(f"**/{STATE_FILE}"):
+        step = json.loads(state.read_text())["step"]
+        if step > best_step:
+            best, best_step = state.parent, step
+    return best
+
+
+# --- the loop --------------------------------------------------------------------------------------
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Ray Train entry point. ``config["spec"]`` is a ``LearnerSpec``."""
+    import ray.train
+    import ray.train.torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl.coordinator import PolicyStoreClient
+    from asyncrl.telemetry.sinks import RunWriter
+    from asyncrl.telemetry.staleness import per_bucket
+
+    spec: LearnerSpec = config["spec"]
+    cfg = spec.cfg
+    tc, pc = cfg.train, cfg.pipeline
+    torch.set_num_threads(pc.torch_threads)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    random.seed(cfg.seed)
+    rank, world = _dist()
+    local_batch = tc.batch_size // world
+
+    model_dir = Path(spec.resume_dir, "model") if spec.resume_dir else Path(spec.student_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
+    model.train()
+    raw_model = model
+    if world > 1:
+        model = ray.train.torch.prepare_model(model, move_to_device=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    warm = max(tc.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+    )
+    estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
+    controllers = build_chain(controller_specs(cfg))
+
+    step = 0
+    ledger_parts: list[np.ndarray] = []
+    counters = {"trained": 0, "dropped": 0, "resumed_in_flight_regenerated": 0}
+    if spec.resume_dir:
+        state = torch.load(Path(spec.resume_dir, "trainer_state.pt"), weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        controllers.load_state_dict(state["controllers"])
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        meta = json.loads(Path(spec.resume_dir, STATE_FILE).read_text())
+        step = int(meta["step"])
+        counters.update(meta["counters"])
+        ledger_parts.append(np.load(Path(spec.resume_dir, "ledger.npy")))
+
+    store = PolicyStoreClient.connect(spec.namespace, timeout_s=pc.rpc_timeout_s, name=spec.store_name)
+    writer = (
+        RunWriter(
+            spec.run_dir,
+            tensorboard=cfg.telemetry.tensorboard,
+            resume=spec.resume_dir is not None,
+            truncate_after_step=step,
+        )
+        if rank == 0
+        else None
+    )
+    progress = None
+    if rank == 0:
+        from asyncrl.telemetry.progress import Progress
+
+        progress = Progress(total=tc.steps, enabled=cfg.telemetry.progress, start=step)
+
+    def publish() -> None:
+        if rank == 0:
+            sd = {k: v.detach().clone() for k, v in raw_model.state_dict().items()}
+            store.publish(sd, step)
+
+    evaluator = _Evaluator(cfg, tokenizer, spec.eval_prompts) if rank == 0 else None
+    eval_time = 0.0
+    if rank == 0 and step == 0 and tc.eval_every > 0:
+        acc, dt = evaluator(raw_model)
+        eval_time += dt
+        writer.log_step(0, {"eval/accuracy": acc, "time_s": 0.0})
+    publish()  # weights v=step open admission
+
+    if spec.executor_tick_s is not None:
+        set_executor_tick(spec.executor_tick_s)
+    it = ray.train.get_dataset_shard("train").iter_batches(
+        batch_size=local_batch, prefetch_batches=0, batch_format="numpy"
+    )
+    t_run0 = time.perf_counter()
+    t_prev = time.perf_counter()
+    for batch_np in it:
+        if step >= tc.steps:
+            break
+        if len(batch_np[R.SAMPLE_ID]) == 0:
+            continue
+        t_got = time.perf_counter()
+        metrics, sample_rows, consumed_ids, n_kept, n_drop = _learner_step(
+            model, params, optimizer, scheduler, estimator, controllers, batch_np, step, cfg, world, rank
+        )
+        if n_kept > 0:
+            step += 1
+        counters["trained"] += n_kept
+        counters["dropped"] += n_drop
+        ledger_parts.append(all_cat(torch.from_numpy(consumed_ids), world).numpy())
+        publish()
+        if rank == 0:
+            store.consumed(n_kept, n_drop)
+        t_done = time.perf_counter()
+        if rank == 0:
+            dt = t_done - t_prev
+            metrics["throughput/samples_per_s"] = n_kept / max(dt, 1e-9)
+            metrics["throughput/learner_idle_frac"] = (t_got - t_prev) / max(dt, 1e-9)
+            metrics["time/step_s"] = dt
+            metrics["time/data_wait_s"] = t_got - t_prev
+            metrics.update(per_bucket_metrics(per_bucket, sample_rows))
+            if tc.eval_every > 0 and (step % tc.eval_every == 0 or step >= tc.steps) and n_kept > 0:
+                acc, edt = evaluator(raw_model)
+                eval_time += edt
+                metrics["eval/accuracy"] = acc
+            metrics["time_s"] = time.perf_counter() - t_run0
+            metrics["time/eval_total_s"] = eval_time
+            writer.log_step(step, metrics)
+            writer.log_samples(sample_rows)
+            progress.update(step, metrics)
+        t_prev = time.perf_counter()
+        want_ckpt = step >= tc.steps or (
+            tc.checkpoint_every > 0 and n_kept > 0 and step % tc.checkpoint_every == 0
+        )
+        if want_ckpt:
+            _report_checkpoint(
+                ray,
+                rank,
+                step,
+                raw_model,
+                optimizer,
+                scheduler,
+                controllers,
+                ledger_parts,
+                counters,
+                store,
+                metrics,
+            )
+        if spec.fail_at_step is not None and step >= spec.fail_at_step:
+            raise RuntimeError(f"fault injected at step {step} (pipeline fail_at_step)")
+        if step >= tc.steps:
+            break
+    if rank == 0:
+        store.close()
+        progress.close()
+        writer.close()
+    if step < tc.steps:
+        raise RuntimeError(
+            f"the rollout stream ended after {step} of {tc.steps} steps: too few prompts for the drops seen "
+            f"(dropped {counters['dropped']}); raise workload.train_size"
+        )
+
+
+def per_bucket_metrics(per_bucket: Any, rows: dict[str, np.ndarray]) -> dict[str, float]:
+    kept = rows["kept"].astype(bool)
+    out: dict[str, float] = {}
+    if not kept.any():
+        return out
+    lags = rows["lag"][kept]
+    for name in ("loss", "kl_behavior_current", "reward"):
+        out.update(per_bucket(rows[name][kept], lags, name=name))
+    out.update(per_bucket(np.ones(int(kept.sum())), lags, name="n", reduce="sum"))
+    return out
+
+
+def _learner_step(
+    model, params, optimizer, scheduler, estimator, controllers, batch_np, step, cfg: RunConfig, world, rank
+):
+    """One consumption + (maybe) one optimizer step. Returns metrics, per-sample rows, counts."""
+    tc = cfg.train
+    info = SampleInfo(
+        sample_id=np.asarray(batch_np[R.SAMPLE_ID]),
+        group_id=np.asarray(batch_np[R.GROUP_ID]),
+        version_first=np.asarray(batch_np[R.VERSION_FIRST]),
+        version_last=np.asarray(batch_np[R.VERSION_LAST]),
+    )
+    keep = np.asarray(controllers.keep(info, step), dtype=bool)
+    n_kept, n_drop = (int(v) for v in all_sum([float(keep.sum()), float((~keep).sum())], world))
+    tb = R.to_torch({k: v for k, v in batch_np.items() if k in R.COLUMNS})
+    # trim per-token columns to the longest completion in this batch (saves compute; masks unchanged)
+    t_eff = max(int(tb[R.COMPLETION_MASK].sum(1).max()), 1)
+    for k, col in R.COLUMNS.items():
+        if k in tb and len(col.dims) >= 2 and col.dims[1] == "T":
+            tb[k] = tb[k][:, :t_eff]
+    keep_t = torch.from_numpy(keep)
+    mask = tb[R.COMPLETION_MASK] & keep_t[:, None]
+    lags = torch.from_numpy(info.lag(step))
+    metrics: dict[str, float] = {}
+    rows = {
+        "sample_id": info.sample_id,
+        "prompt_id": np.asarray(batch_np[R.PROMPT_ID]),
+        "group_id": info.group_id,
+        "version_first": info.version_first,
+        "version_last": info.version_last,
+        "learner_version": np.full(len(keep), step),
+        "lag": lags.numpy(),
+        "kept": keep,
+        "reward": np.asarray(batch_np.get(R.REWARD, np.full(len(keep), np.nan)), dtype=np.float64),
+        "completion_len": tb[R.COMPLETION_MASK].sum(1).numpy(),
+        "step": np.full(len(keep), step),
+    }
+    for extra in ("gen_node", "score_node", "gen_time_s", "gen_wait_s"):
+        if extra in batch_np:
+            rows[extra] = np.asarray(batch_np[extra])
+    if n_kept == 0:  # everything stale on every rank: count it, no optimizer step
+        rows["loss"] = np.full(len(keep), np.nan)
+        rows["kl_behavior_current"] = np.full(len(keep), np.nan)
+        metrics.update({**controllers.metrics(), "staleness/dropped": float(n_drop)})
+        return metrics, rows, info.sample_id, 0, n_drop
+
+    logits = R.completion_logits(
+        model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
+    )
+    with torch.no_grad():
+        logp = gather_logprobs(logits.detach(), tb[R.COMPLETION_IDS], chunk_size=tc.logits_chunk)
+    behavior = tb[R.BEHAVIOR_LOGPROBS]
+    log_ratio = torch.where(mask, logp - behavior, torch.zeros_like(logp))
+    seq_log_ratio = log_ratio.sum(1)
+    kept_idx = keep_t.nonzero().squeeze(1)
+    sctx = StepContext(
+        step=step,
+        base_lr=scheduler.get_last_lr()[0],
+        mask=mask,
+        logprobs=logp,
+        behavior_logprobs=behavior,
+        token_versions=tb[R.TOKEN_VERSIONS],
+        lags=lags,
+        group_ids=torch.from_numpy(info.group_id),
+        seq_log_ratio=all_cat(seq_log_ratio[kept_idx], world),
+        lags_global=all_cat(lags[kept_idx], world),
+        world_size=world,
+        rank=rank,
+    )
+    weights = controllers.token_weights(sctx)
+    est_batch = dict(tb)
+    est_batch[R.COMPLETION_MASK] = mask
+    out = estimator(logits, est_batch, token_weights=weights)
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    controllers.transform_gradient(grads, sctx)
+    if tc.grad_clip > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
+    else:
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    scale = float(controllers.lr_scale(sctx))
+    with scaled_lr(optimizer, scale) as applied:
+        optimizer.step()
+    scheduler.step()
+    controllers.after_step(sctx)
+
+    # telemetry: per-sample k3 KL(behavior || current) over valid tokens, per-sample loss
+    valid = mask.float()
+    r = torch.exp(torch.clamp(log_ratio, -20, 20))
+    k3_tok = torch.where(mask, r - log_ratio - 1, torch.zeros_like(r))
+    n_tok = valid.sum(1).clamp_min(1)
+    rows["kl_behavior_current"] = torch.where(
+        keep_t, k3_tok.sum(1) / n_tok, torch.full_like(n_tok, float("nan"))
+    ).numpy()
+    per_sample_loss = out.per_sample.get("loss")
+    rows["loss"] = (
+        torch.where(keep_t, per_sample_loss.detach().float(), torch.tensor(float("nan"))).numpy()
+        if per_sample_loss is not None
+        else np.full(len(keep), np.nan)
+    )
+    from asyncrl.controllers.functional import ess_fraction
+
+    kept_lags = lags[kept_idx].float()
+    metrics.update(out.metrics)
+    metrics.update(controllers.metrics())  # per-rank views; the global figures below take precedence
+    metrics.update(
+        {
+            "loss": float(out.loss.detach()),
+            "staleness/lag_mean": float(kept_lags.mean()),
+            "staleness/lag_max": float(kept_lags.max()),
+            "staleness/dropped": float(n_drop),
+            "ess/rho": float(ess_fraction(sctx.seq_log_ratio.double())),
+            "lr/scheduled": float(sctx.base_lr),
+            "lr/applied": float(applied[0]),
+            "kl/behavior_current": float(k3_tok.sum() / valid.sum().clamp_min(1)),
+            "grad/norm": grad_norm,
+            "samples/kept": float(n_kept),
+            "tokens/completion_mean": float(tb[R.COMPLETION_MASK].sum(1).float().mean()),
+        }
+    )
+    return metrics, rows, info.sample_id, n_kept, n_drop
+
+
+def _report_checkpoint(
+    ray, rank, step, model, optimizer, scheduler, controllers, ledger_parts, counters, store, metrics
+):
+    import tempfile
+
+    from ray.train import Checkpoint
+
+    ledger = np.concatenate(ledger_parts) if ledger_parts else np.zeros(0, dtype=np.int64)
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_checkpoint(
+                Path(tmp),
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                controllers=controllers,
+                step=step,
+                ledger=ledger,
+                counters=counters,
+            )
+            (Path(tmp) / "coordinator.json").write_text(json.dumps(store.state_dict(), default=str))
+            ray.train.report(
+                {"step": step},
+                checkpoint=Checkpoint.from_directory(tmp),
+                checkpoint_dir_name=f"step_{step:06d}",
+            )
+    else:
+        ray.train.report({"step": step}, checkpoint=None, checkpoint_dir_name=f"step_{step:06d}")
+
+
+class _Evaluator:
+    """Greedy exact match on the held-out split (rank 0)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: Any, prompts: list[tuple[str, str]]) -> None:
+        from asyncrl.workloads.tasks import Example, get_task
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.task = get_task(cfg.workload.task)
+        self.examples = [Example(prompt=p, answer=a, prompt_id=i) for i, (p, a) in enumerate(prompts)]
+
+    def __call__(self, model: torch.nn.Module) -> tuple[float, float]:
+        from asyncrl.workloads.evaluate import exact_match
+
+        t0 = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        acc = exact_match(
+            model,
+            self.tokenizer,
+            self.task,
+            self.examples,
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
+            batch_size=64,
+        )
+        model.train(was_training)
+        return float(acc), time.perf_counter() - t0
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

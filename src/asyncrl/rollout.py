@@ -1,0 +1,146 @@
+"""The generation stage of the Ray Data graph: ``map_batches(Generate, actor pool)``.
+
+Each call turns one block of prompt rows (one learner step's worth of samples for one
+learner worker) into rollouts. Before generating it asks the PolicyStore for admission
+(the staleness budget), reloads weights if the version moved, and tags every token with
+the version that produced it. Sampling seeds derive from ``(seed, first sample_id)`` so a
+batch is reproducible regardless of which actor runs it or when.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl import records as R
+from asyncrl.coordinator import PolicyStoreClient
+from asyncrl.engines import ENGINES
+from asyncrl.engines.base import SamplingParams
+
+
+def batch_seed(seed: int, sample_ids: np.ndarray) -> int:
+    """A 63-bit seed from the run seed and the batch's first sample id (order-independent of actors)."""
+    first = int(np.min(sample_ids)) if len(sample_ids) else 0
+    return (seed * 1_000_003 + first * 7919 + 17) % (2**63 - 1)
+
+
+def node_id() -> str:
+    """The Ray node this actor runs on (recorded per sample: placement is part of telemetry)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
+def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Tensor:
+    """Right-pad dim 1 of ``x`` to ``length`` so every block has the same T (fixed-shape tensor columns)."""
+    missing = length - x.shape[1]
+    if missing <= 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[1] = missing
+    return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype)], dim=1)
+
+
+class Generate:
+    """Ray Data actor UDF holding one rollout engine for the actor's lifetime."""
+
+    def __init__(
+        self,
+        *,
+        engine: str,
+        student_dir: str,
+        sampling: dict[str, Any],
+        namespace: str,
+        store_name: str,
+        seed: int,
+        rpc_timeout_s: float,
+        admit_timeout_s: float,
+        torch_threads: int = 1,
+        engine_options: dict[str, Any] | None = None,
+    ) -> None:
+        torch.set_num_threads(torch_threads)
+        self.engine = ENGINES.get(engine).from_pretrained(student_dir, version=0, **(engine_options or {}))
+        self.params = SamplingParams(**sampling)
+        self.store = PolicyStoreClient.connect(namespace, timeout_s=rpc_timeout_s, name=store_name)
+        self.seed = seed
+        self.admit_timeout_s = admit_timeout_s
+        self.have_version = -1
+
+    def _sync_weights(self) -> None:
+        version, state = self.store.latest(self.have_version)
+        if state is not None:
+            self.engine.load_weights(state, version)
+            self.have_version = version
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = len(batch[R.SAMPLE_ID])
+        t_wait = time.perf_counter()
+        admitted = self.store.acquire(n, timeout_s=self.admit_timeout_s)
+        if admitted is None:  # the run finished while we waited: emit nothing
+            return {k: v[:0] for k, v in batch.items()}
+        ticket, _ = admitted
+        t_start = time.perf_counter()
+        self._sync_weights()
+        out = self.engine.generate(
+            torch.from_numpy(np.asarray(batch[R.PROMPT_IDS])),
+            torch.from_numpy(np.asarray(batch[R.PROMPT_MASK])).bool(),
+            self.params,
+            seed=batch_seed(self.seed, batch[R.SAMPLE_ID]),
+        )
+        T = self.params.max_new_tokens
+        pad_id = getattr(self.engine, "pad_id", 0)
+        versions = out[R.TOKEN_VERSIONS]
+        mask = out[R.COMPLETION_MASK]
+        result = dict(batch)
+        result[R.COMPLETION_IDS] = pad_to(out[R.COMPLETION_IDS], T, pad_id)
+        result[R.COMPLETION_MASK] = pad_to(mask, T, False)
+        result[R.BEHAVIOR_LOGPROBS] = pad_to(out[R.BEHAVIOR_LOGPROBS], T, 0.0)
+        result[R.TOKEN_VERSIONS] = pad_to(versions, T, -1)
+        for key in (R.MC_IDS, R.MC_BEHAVIOR_LOGPROBS):
+            if key in out:
+                result[key] = pad_to(out[key], T, pad_id if key == R.MC_IDS else 0.0)
+        # first/last version over valid tokens (a sequence can span versions with in-flight updates)
+        big = torch.iinfo(torch.int32).max
+        vfirst = torch.where(mask, versions, torch.full_like(versions, big)).min(dim=1).values
+        vlast = torch.where(mask, versions, torch.full_like(versions, -1)).max(dim=1).values
+        empty = ~mask.any(dim=1)
+        vfirst = torch.where(empty, torch.full_like(vfirst, self.engine.version), vfirst)
+        vlast = torch.where(empty, torch.full_like(vlast, self.engine.version), vlast)
+        result[R.VERSION_FIRST] = vfirst.to(torch.int64)
+        result[R.VERSION_LAST] = vlast.to(torch.int64)
+        result["ticket"] = np.full(n, ticket, dtype=np.int64)
+        result["gen_wait_s"] = np.full(n, t_start - t_wait, dtype=np.float64)
+        result["gen_time_s"] = np.full(n, time.perf_counter() - t_start, dtype=np.float64)
+        result["gen_done_at"] = np.full(n, time.time(), dtype=np.float64)
+        result["gen_node"] = np.full(n, node_id(), dtype=object)
+        return R.to_numpy(result)
+
+
+class ScoreReward:
+    """Reward stage for RL (and task accuracy telemetry in OPD): decode, verify, score."""
+
+    def __init__(self, *, task: str, tokenizer_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        from asyncrl.workloads.tasks import get_task
+
+        self.task = get_task(task)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+    def rewards(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        ids = np.asarray(batch[R.COMPLETION_IDS])
+        mask = np.asarray(batch[R.COMPLETION_MASK]).astype(bool)
+        texts = self.tokenizer.batch_decode(
+            [row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True
+        )
+        answers = batch["answer"]
+        return np.asarray([self.task.reward(t, str(a)) for t, a in zip(texts, answers)], dtype=np.float32)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = dict(batch)
+        out[R.REWARD] = self.rewards(batch)
+        out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
+        return out

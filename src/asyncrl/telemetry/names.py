@@ -1,0 +1,130 @@
+"""Names a run directory is read by: file names, per-step metric keys, per-sample columns, summary keys.
+
+The learner writes these and the report, the CLI and users' notebooks read them, so they
+live in one place. Metric keys are slash-namespaced (``area/quantity``); a per-sample
+quantity ``q`` reported for lag bucket ``b`` is ``bucket/<b>/<q>`` (labels from
+``asyncrl.telemetry.staleness.LAG_BUCKETS``, e.g. ``0``, ``3-4``, ``17+``).
+"""
+
+from __future__ import annotations
+
+# --- run directory (DESIGN.md section 8) ----------------------------------------------------
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.parquet"
+#: one Parquet part per ``RunWriter.log_samples`` call while the run is live; consolidated on close
+SAMPLES_PARTS_DIR = "samples"
+SUMMARY_FILE = "summary.json"
+CHECKPOINTS_DIR = "checkpoints"
+TENSORBOARD_DIR = "tb"
+REPORT_FILE = "report.html"
+
+# --- per-step record: one JSON object per learner step in metrics.jsonl -----------------------
+STEP = "step"
+#: wall-clock seconds since the run started (continues across resumes)
+TIME_S = "time_s"
+LOSS = "loss"
+LAG_MEAN = "staleness/lag_mean"
+LAG_MAX = "staleness/lag_max"
+#: samples dropped at consumption in this step because their lag exceeded max_lag
+DROPPED = "staleness/dropped"
+#: ESS fraction rho = (sum w)^2 / (N sum w^2) of the sequence importance weights pi_theta/pi_b
+ESS_RHO = "ess/rho"
+LR_APPLIED = "lr/applied"
+LR_SCHEDULED = "lr/scheduled"
+#: KL(pi_b || pi_theta) per token over the sampled tokens (k3 estimator), batch mean
+KL_BEHAVIOR_CURRENT = "kl/behavior_current"
+GRAD_NORM = "grad/norm"
+#: cosine between this step's gradient and the previous step's (GAC)
+GAC_COS_PREV = "gac/cos_prev"
+SAMPLES_PER_S = "throughput/samples_per_s"
+LEARNER_IDLE_FRAC = "throughput/learner_idle_frac"
+#: teacher probability mass the cache keeps per position (e.g. top-k mass), batch mean
+TEACHER_MASS = "est/teacher_mass"
+#: greedy exact-match accuracy; present only on eval steps
+EVAL_ACCURACY = "eval/accuracy"
+
+BUCKET_PREFIX = "bucket/"
+
+
+def bucket_key(label: str, metric: str) -> str:
+    """``bucket/<label>/<metric>``: ``metric`` restricted to the samples of lag bucket ``label``."""
+    if "/" in label:
+        raise ValueError(f"lag bucket label {label!r} must not contain '/'")
+    return f"{BUCKET_PREFIX}{label}/{metric}"
+
+
+def parse_bucket_key(key: str) -> tuple[str, str] | None:
+    """Inverse of ``bucket_key``: ``(label, metric)``, or None if ``key`` is not a per-bucket key."""
+    if not key.startswith(BUCKET_PREFIX):
+        return None
+    label, sep, metric = key[len(BUCKET_PREFIX) :].partition("/")
+    return (label, metric) if sep and label and metric else None
+
+
+# --- per-sample record: one row per consumed sample in samples.parquet -------------------------
+SAMPLE_COLUMNS = (
+    "sample_id",
+    "prompt_id",
+    "group_id",
+    "version_first",
+    "version_last",
+    "learner_version",
+    "lag",
+    "kept",
+    "reward",
+    "kl_behavior_current",
+    "completion_len",
+    "loss",
+    "step",
+)
+
+# --- summary.json ----------------------------------------------------------------------------
+SUMMARY_KEYS = (
+    "algo",
+    "estimator",
+    "max_lag",
+    "steps",
+    "samples_trained",
+    "samples_dropped",
+    "wall_time_s",
+    "samples_per_s",
+    "lag_p50",
+    "lag_max",
+    "eval_accuracy_initial",
+    "eval_accuracy_final",
+    "teacher_accuracy",
+    "run_dir",
+)
+
+__all__ = [
+    "BUCKET_PREFIX",
+    "CHECKPOINTS_DIR",
+    "CONFIG_FILE",
+    "DROPPED",
+    "ESS_RHO",
+    "EVAL_ACCURACY",
+    "GAC_COS_PREV",
+    "GRAD_NORM",
+    "KL_BEHAVIOR_CURRENT",
+    "LAG_MAX",
+    "LAG_MEAN",
+    "LEARNER_IDLE_FRAC",
+    "LOSS",
+    "LR_APPLIED",
+    "LR_SCHEDULED",
+    "METRICS_FILE",
+    "REPORT_FILE",
+    "SAMPLES_FILE",
+    "SAMPLES_PARTS_DIR",
+    "SAMPLES_PER_S",
+    "SAMPLE_COLUMNS",
+    "STEP",
+    "SUMMARY_FILE",
+    "SUMMARY_KEYS",
+    "TEACHER_MASS",
+    "TENSORBOARD_DIR",
+    "TIME_S",
+    "bucket_key",
+    "parse_bucket_key",
+]

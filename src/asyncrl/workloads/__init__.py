@@ -1,0 +1,46 @@
+"""Built-in workload: synthetic tasks, a character tokenizer, tiny model presets, pretraining.
+
+No model hub is reachable, so ``asyncrl pretrain`` trains a small teacher and a weaker
+student (``transformers`` Llama/GPT-2 built from a config) on a built-in task and caches
+them as ordinary HF checkpoints; any ``AutoModelForCausalLM`` + tokenizer on disk plugs in
+the same way (``load_pair``).
+
+Modules: ``tasks`` (Task protocol, TASKS, user prompt files, prompt encoding),
+``tokenizer`` (char tokenizer), ``presets`` (PRESETS, build_model), ``pretrain``,
+``evaluate`` (greedy exact match), ``checkpoints`` (save / check / load_pair).
+Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Example": "tasks",
+    "Task": "tasks",
+    "TASKS": "tasks",
+    "get_task": "tasks",
+    "load_prompts": "tasks",
+    "encode_prompts": "tasks",
+    "char_tokenizer": "tokenizer",
+    "PRESETS": "presets",
+    "Preset": "presets",
+    "ModelSpec": "presets",
+    "build_model": "presets",
+    "get_preset": "presets",
+    "pretrain": "pretrain",
+    "PretrainResult": "pretrain",
+    "exact_match": "evaluate",
+    "load_pair": "checkpoints",
+    "CheckpointError": "checkpoints",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncrl.workloads' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"asyncrl.workloads.{module}"), name)

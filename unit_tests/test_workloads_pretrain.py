@@ -1,0 +1,140 @@
+"""Pretraining the tiny pair, the checkpoint cache, load_pair and preset/model building."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import shutil
+import time
+
+import pytest
+import torch
+
+from asyncrl.registry import RegistryError
+from asyncrl.workloads.checkpoints import CheckpointError, load_pair, missing_parts
+from asyncrl.workloads.presets import PRESETS, ModelSpec, build_model, get_preset, num_parameters
+from asyncrl.workloads.pretrain import exact_match, pretrain
+from asyncrl.workloads.tasks import get_task
+from asyncrl.workloads.tokenizer import BOS_ID, EOS_ID, PAD_ID, char_tokenizer
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("pretrain_cache")
+    t0 = time.perf_counter()
+    result = pretrain("addition", "tiny", cache_dir=cache, seed=0, progress=False)
+    return result, cache, time.perf_counter() - t0
+
+
+def test_tiny_pretrain_reaches_thresholds(tiny) -> None:
+    result, cache, seconds = tiny
+    assert result.teacher_accuracy >= 0.95
+    assert 0.05 <= result.student_accuracy <= 0.60
+    assert not result.reused
+    assert result.teacher_dir == cache / "addition-tiny-s0" / "teacher"
+    for d in (result.teacher_dir, result.student_dir):
+        assert missing_parts(d, require_meta=True) == []
+        meta = json.loads((d / "asyncrl_meta.json").read_text())
+        assert meta["task"] == "addition" and meta["preset"] == "tiny" and meta["seed"] == 0
+        assert {"torch", "transformers", "asyncrl"} <= set(meta["versions"])
+    print(f"tiny pretrain took {seconds:.1f}s")
+
+
+def test_saved_pair_loads_and_accuracy_is_reproducible(tiny) -> None:
+    result, _, _ = tiny
+    teacher, student, tok = load_pair(result.teacher_dir, result.student_dir)
+    assert tok.pad_token_id == PAD_ID and tok.eos_token_id == EOS_ID
+    assert num_parameters(teacher) > num_parameters(student)
+    task = get_task("addition")
+    evals = task.make_examples("eval", get_preset("tiny").eval_size, 0)
+    max_new = task.max_answer_chars + 1
+    assert exact_match(teacher, tok, task, evals, max_new, batch_size=100) == pytest.approx(
+        result.teacher_accuracy
+    )
+    assert exact_match(student, tok, task, evals, max_new, batch_size=512) == pytest.approx(
+        result.student_accuracy
+    )
+
+
+def test_second_call_reuses_cache_and_force_retrains_check(tiny) -> None:
+    result, cache, _ = tiny
+    t0 = time.perf_counter()
+    again = pretrain("addition", "tiny", cache_dir=cache, seed=0, progress=False)
+    assert again.reused and time.perf_counter() - t0 < 10
+    assert again.teacher_accuracy == result.teacher_accuracy
+    assert again.student_accuracy == result.student_accuracy
+
+
+def test_incomplete_or_missing_checkpoint_dirs_raise(tiny, tmp_path) -> None:
+    result, _, _ = tiny
+    with pytest.raises(
+        CheckpointError, match=r"does not exist.*asyncrl pretrain --task addition --preset tiny"
+    ):
+        load_pair(tmp_path / "addition-tiny-s0" / "teacher", result.student_dir)
+    broken = tmp_path / "addition-tiny-s0" / "student"
+    shutil.copytree(result.student_dir, broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete \(missing: weights\)"):
+        load_pair(result.teacher_dir, broken)
+    assert missing_parts(broken) == ["weights"]
+
+
+def test_tokenizer_mismatch_raises(tiny, tmp_path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    result, _, _ = tiny
+    other = tmp_path / "other"
+    shutil.copytree(result.student_dir, other)
+    tok = char_tokenizer()
+    vocab = tok.get_vocab()
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    swapped = dict(vocab)
+    swapped["a"], swapped["b"] = vocab["b"], vocab["a"]
+    core = Tokenizer(models.WordLevel(vocab=swapped, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>").save_pretrained(
+        other
+    )
+    with pytest.raises(ValueError, match=r"tokenizers? .*differ.*different ids \['a', 'b'\]"):
+        load_pair(result.teacher_dir, other)
+
+
+def test_unknown_preset_and_task_suggest_names(tmp_path) -> None:
+    with pytest.raises(RegistryError, match="did you mean 'tiny'"):
+        pretrain("addition", "tiyn", cache_dir=tmp_path, progress=False)
+    with pytest.raises(RegistryError, match="did you mean 'reverse'"):
+        pretrain("revers", "tiny", cache_dir=tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gpt2", "small"])
+def test_presets_build_float32_models_with_special_ids(name: str) -> None:
+    preset = PRESETS.get(name)
+    tok = char_tokenizer()
+    teacher = build_model(preset.teacher, len(tok), seed=0)
+    student = build_model(preset.student, len(tok), seed=0)
+    for m in (teacher, student):
+        assert next(m.parameters()).dtype == torch.float32
+        assert (m.config.pad_token_id, m.config.bos_token_id, m.config.eos_token_id) == (
+            PAD_ID,
+            BOS_ID,
+            EOS_ID,
+        )
+        assert m.config.vocab_size == len(tok)
+    assert num_parameters(teacher) >= 3 * num_parameters(student) if name == "small" else True
+    if name == "small":
+        assert 0.9e6 <= num_parameters(student) <= 3e6
+
+
+def test_build_model_is_deterministic_in_seed() -> None:
+    spec = ModelSpec("llama", hidden=16, layers=1, heads=2, intermediate=32)
+    a, b, c = (build_model(spec, 20, s) for s in (0, 0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
+    with pytest.raises(ValueError, match="divisible"):
+        ModelSpec(hidden=30, heads=4)

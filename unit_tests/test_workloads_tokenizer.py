@@ -1,0 +1,56 @@
+"""The character tokenizer: special ids, one token per character, save/load round trip."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from asyncrl.workloads.tokenizer import BOS_ID, CHARS, EOS_ID, PAD_ID, SPECIAL_TOKENS, UNK_ID, char_tokenizer
+
+TOK = char_tokenizer()
+
+
+def test_special_ids_and_padding_side() -> None:
+    assert isinstance(TOK, PreTrainedTokenizerFast)
+    assert (TOK.pad_token_id, TOK.bos_token_id, TOK.eos_token_id, TOK.unk_token_id) == (0, 1, 2, 3)
+    assert (PAD_ID, BOS_ID, EOS_ID, UNK_ID) == (0, 1, 2, 3)
+    assert TOK.padding_side == "left"
+    assert len(TOK) == 4 + len(CHARS) == len(set(CHARS)) + 4
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text(alphabet=CHARS, min_size=1, max_size=40))
+def test_one_token_per_char_and_decode_round_trip(text: str) -> None:
+    assume(not any(s in text for s in SPECIAL_TOKENS))  # "<eos>" typed out *is* the EOS token
+    ids = TOK(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and UNK_ID not in ids
+    assert TOK.decode(ids) == text
+    with_bos = TOK(text)["input_ids"]
+    assert with_bos == [BOS_ID, *ids]
+    assert TOK.decode([*with_bos, EOS_ID, PAD_ID], skip_special_tokens=True) == text
+
+
+def test_unknown_chars_map_to_unk_and_special_strings_to_specials() -> None:
+    assert TOK("é", add_special_tokens=False)["input_ids"] == [UNK_ID]
+    assert TOK("1<eos>", add_special_tokens=False)["input_ids"] == [TOK.convert_tokens_to_ids("1"), EOS_ID]
+
+
+def test_left_padding_batch() -> None:
+    enc = TOK(["12+3=", "7="], padding=True)
+    assert enc["input_ids"][1][:3] == [PAD_ID] * 3 and enc["attention_mask"][1][:3] == [0, 0, 0]
+
+
+def test_save_pretrained_round_trip(tmp_path) -> None:
+    TOK.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert loaded.get_vocab() == TOK.get_vocab()
+    assert loaded.padding_side == "left"
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+    text = "Hello, World! 12+34=046"
+    assert loaded(text)["input_ids"] == TOK(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
