@@ -11,11 +11,12 @@ Rows (all sampling at temperature 1 from the untruncated softmax, one torch thre
   hf_engine m=8         the same plus 8 MC draws per position with their log-probs
 
 Method: the model is the preset's student (``--model teacher`` for the teacher), freshly
-initialised (throughput does not depend on the weights except through EOS, so tokens are
-counted as ``B x T`` decode slots actually run). Prompts are the addition task's eval
-prompts. One warm-up call per row, then ``--repeats`` timed calls, interleaved across rows so
-machine load affects them alike; the median is reported. Ratios are against ``generate``
-measured in the same run. Every number printed is measured.
+initialised (throughput does not depend on the weights). EOS is set to an id outside the
+vocabulary for both, so every call decodes exactly ``--new-tokens`` steps and tokens/s is
+``B x new_tokens / time``. Prompts are the addition task's eval prompts. One warm-up call per
+row, then ``--repeats`` timed calls, interleaved across rows so machine load affects them
+alike; the median is reported. Ratios are against ``generate`` measured in the same run.
+Every number printed is measured.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(spec, len(tok), seed=args.seed).eval()
     prompts = [e.prompt for e in get_task("addition").make_examples("eval", args.batch, args.seed)]
     ids, mask = encode_prompts(tok, prompts, max(len(p) for p in prompts) + 1)
-    engine = HFEngine(model, tok)
+    no_eos = len(tok)  # an id the model can never sample: fixed-length decoding for both sides
+    engine = HFEngine(model, {"pad_id": tok.pad_token_id, "eos_id": no_eos})
 
     def run_generate(with_logprobs: bool) -> int:
         from transformers import GenerationConfig
@@ -73,13 +75,14 @@ def main(argv: list[str] | None = None) -> dict:
             top_p=1.0,
             max_new_tokens=args.new_tokens,
             pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
+            eos_token_id=no_eos,
             return_dict_in_generate=with_logprobs,
             output_logits=with_logprobs,
         )
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=gc)
         if not with_logprobs:
+            assert out.shape[1] - ids.shape[1] == args.new_tokens
             return out.shape[0] * (out.shape[1] - ids.shape[1])
         seq = out.sequences[:, ids.shape[1] :]
         logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, seq[..., None])
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     def run_engine(m: int) -> int:
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, mc_samples=m)
         out = engine.generate(ids, mask, params, seed=args.seed)
+        assert out["completion_ids"].shape[1] == args.new_tokens
         return out["completion_ids"].numel()
 
     rows = {

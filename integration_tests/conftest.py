@@ -35,6 +35,14 @@ def tiny_pair():
     return pretrain(task="addition", preset="tiny", cache_dir=CACHE, seed=0, progress=False)
 
 
+@pytest.fixture(scope="session")
+def small_pair():
+    """The demo pair (`small` preset): capable enough that 60 OPD steps move its accuracy (~3 min once)."""
+    from asyncrl.workloads.pretrain import pretrain
+
+    return pretrain(task="addition", preset="small", cache_dir=CACHE, seed=0, progress=False)
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
@@ -46,13 +54,12 @@ def ray_local():
     ray.shutdown()
 
 
-def tiny_config(run_dir: Path, *overrides: str) -> RunConfig:
-    """The shipped tiny OPD config plus overrides, writing into ``run_dir``."""
+def tiny_config(run_dir: Path, *overrides: str, config: str = "opd_tiny.yaml") -> RunConfig:
+    """A shipped config (default: the tiny OPD one) plus overrides, writing into ``run_dir``."""
     base = [
         f"run_dir={run_dir}",
         f"workload.cache_dir={CACHE}",
-        "workload.preset=tiny",
         "telemetry.progress=false",
         "telemetry.tensorboard=false",
     ]
-    return load_config(REPO / "examples" / "configs" / "opd_tiny.yaml", base + list(overrides))
+    return load_config(REPO / "examples" / "configs" / config, base + list(overrides))

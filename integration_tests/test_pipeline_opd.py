@@ -89,10 +89,6 @@ def plain_loop_losses(cfg) -> list[float]:
     return losses
 
 
-def cfg_sampling(cfg):
-    return cfg.sampling
-
-
 def test_sync_reproduces_plain_loop(ray_local, tiny_pair, tmp_path):
     cfg = tiny_config(tmp_path / "sync", "pipeline.max_lag=0", "train.steps=8", "train.eval_every=0")
     result = run(cfg)
@@ -106,8 +102,9 @@ def test_sync_reproduces_plain_loop(ray_local, tiny_pair, tmp_path):
 
 
 @pytest.mark.parametrize("max_lag", [0, 2])
-def test_opd_respects_bound_and_learns(ray_local, tiny_pair, tmp_path, max_lag):
-    cfg = tiny_config(tmp_path / f"lag{max_lag}", f"pipeline.max_lag={max_lag}")
+def test_opd_respects_bound_and_learns(ray_local, small_pair, tmp_path, max_lag):
+    """The demo config (small preset, forward KL on the teacher top-16, 60 steps)."""
+    cfg = tiny_config(tmp_path / f"lag{max_lag}", f"pipeline.max_lag={max_lag}", config="opd_async.yaml")
     result = run(cfg)
     samples = read_samples(result.run_dir)
     kept = samples[samples["kept"]]
@@ -115,7 +112,9 @@ def test_opd_respects_bound_and_learns(ray_local, tiny_pair, tmp_path, max_lag):
     assert kept["lag"].max() <= max_lag
     assert kept["sample_id"].is_unique
     s = result.summary
-    assert s["eval_accuracy_final"] > s["eval_accuracy_initial"] + 0.05, s
+    assert s["eval_accuracy_final"] > s["eval_accuracy_initial"], s
+    kl = [m["est/kl_value"] for m in read_metrics(result.run_dir) if "est/kl_value" in m]
+    assert np.mean(kl[-15:]) < np.mean(kl[:15]), "distillation did not reduce KL(teacher || student)"
     if max_lag > 0:
         assert kept["lag"].max() >= 1, "async run never overlapped generation and training"
     for key in ("config.yaml", "metrics.jsonl", "summary.json"):

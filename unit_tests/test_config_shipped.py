@@ -11,7 +11,7 @@ from asyncrl.config import RunConfig, load_config
 from asyncrl.pipeline import check_build
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
-SHIPPED = ("grpo.yaml", "opd_async.yaml", "opd_forward_kl_topk.yaml", "opd_sync.yaml", "opd_tiny.yaml")
+SHIPPED = ("grpo.yaml", "opd_async.yaml", "opd_reverse_kl_mc.yaml", "opd_sync.yaml", "opd_tiny.yaml")
 
 
 def test_the_shipped_set() -> None:
@@ -37,7 +37,7 @@ def test_each_config_is_what_its_name_says() -> None:
     assert sync.__class__(**{**vars(sync), "run_dir": asyn.run_dir, "pipeline": asyn.pipeline}) == asyn
     grpo = cfg["grpo.yaml"]
     assert (grpo.algo, grpo.estimator.name) == ("grpo", "grpo") and grpo.train.group_size >= 4
-    fkl = cfg["opd_forward_kl_topk.yaml"]
+    fkl = cfg["opd_reverse_kl_mc.yaml"]
     assert fkl.estimator.name == "forward_kl" and fkl.cache.kind == "topk" and fkl.cache.k >= 1
     assert cfg["opd_tiny.yaml"].workload.preset == "tiny"
     for c in cfg.values():

@@ -121,6 +121,26 @@ def test_mc_draws_match_softmax_chi_square() -> None:
     assert scipy_stats.chisquare(obs_w, exp_w).pvalue < 1e-3
 
 
+def test_generated_tokens_match_softmax_chi_square() -> None:
+    """The m = 0 path: one draw per row, many identical rows at one position."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    model = _model(seed=3)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    n, tau = 4000, 0.8
+    ids, mask = _prompts(["12+34="] * n)
+    out = HFEngine(model, TOK).generate(ids, mask, SamplingParams(max_new_tokens=1, temperature=tau), seed=2)
+    with torch.no_grad():
+        z = model(input_ids=ids[:1], attention_mask=mask[:1].long()).logits[0, -1].double()
+    expected = torch.softmax(z / tau, -1) * n
+    counts = torch.bincount(out["completion_ids"][:, 0], minlength=len(TOK)).double()
+    big = expected >= 5  # merge rare tokens into one bin (there are some: the logits are sharpened)
+    assert 20 <= int(big.sum()) < len(TOK)
+    obs = torch.cat([counts[big], counts[~big].sum()[None]]).numpy()
+    exp = torch.cat([expected[big], expected[~big].sum()[None]]).numpy()
+    assert scipy_stats.chisquare(obs, exp).pvalue > 1e-3
+
+
 def test_eos_stops_row_and_masks_padding() -> None:
     model = _with_eos_bias(_model(seed=1), bias=2.0)
     ids, mask = _prompts()

@@ -31,15 +31,14 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "presets": ("asyncrl.workloads.presets", "PRESETS"),
 }
 
-DEMO_STEPS = 40
+DEMO_STEPS = 60
 DEMO_MAX_LAG = 2
 #: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml)
 DEMO_OVERRIDES = (
     "sampling.max_new_tokens=6",
-    "sampling.mc_samples=4",
     "train.batch_size=32",
-    "train.eval_every=10",
-    "train.eval_size=128",
+    "train.eval_every=20",
+    "train.eval_size=256",
 )
 
 

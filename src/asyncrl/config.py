@@ -55,8 +55,8 @@ class TrainConfig:
     steps: int = field(40, help="optimizer steps")
     batch_size: int = field(32, help="samples per optimizer step, over all learner workers (B)")
     group_size: int = field(1, help="completions per prompt (G); GRPO needs >= 2")
-    lr: float = field(1e-3, help="peak learning rate (AdamW)")
-    warmup_steps: int = field(0, help="linear warmup steps")
+    lr: float = field(3e-4, help="peak learning rate (AdamW)")
+    warmup_steps: int = field(10, help="linear warmup steps (a fresh Adam's first steps are sign-like)")
     weight_decay: float = field(0.0, help="AdamW weight decay")
     grad_clip: float = field(1.0, help="global grad-norm clip; 0 disables")
     eval_every: int = field(10, help="greedy exact-match eval every N steps; 0 disables")
@@ -127,12 +127,10 @@ class RunConfig:
     seed: int = field(0, help="global seed: data order, sampling, init")
     algo: Literal["opd", "grpo"] = field("opd", help="on-policy distillation or GRPO")
     workload: WorkloadConfig = field(default_factory=WorkloadConfig, help="task and models")
-    sampling: SamplingParams = field(
-        default_factory=lambda: SamplingParams(mc_samples=8),
-        help="rollout sampling (m = 8 behavior MC draws feed the default reverse_kl_mc estimator)",
-    )
+    sampling: SamplingParams = field(default_factory=SamplingParams, help="rollout sampling")
     estimator: ComponentSpec = field(
-        default_factory=lambda: ComponentSpec("reverse_kl_mc"), help="loss estimator (asyncrl ls estimators)"
+        default_factory=lambda: ComponentSpec("forward_kl"),
+        help="loss estimator (asyncrl ls estimators); forward KL on the teacher top-k is robust to staleness",
     )
     cache: CacheConfig = field(default_factory=CacheConfig, help="teacher-score cache")
     controllers: tuple[ComponentSpec, ...] = field(

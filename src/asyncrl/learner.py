@@ -26,9 +26,10 @@ import numpy as np
 import torch
 
 from asyncrl import records as R
+from asyncrl.backends import make_backend
 from asyncrl.config import RunConfig
 from asyncrl.controllers import build_chain
-from asyncrl.controllers.base import SampleInfo, StepContext, scaled_lr
+from asyncrl.controllers.base import SampleInfo, StepContext
 from asyncrl.estimators import build as build_estimator
 from asyncrl.estimators.functional import gather_logprobs
 
@@ -104,8 +105,7 @@ def save_checkpoint(
     path: Path,
     *,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    backend: Any,
     controllers: Any,
     step: int,
     ledger: np.ndarray,
@@ -115,8 +115,8 @@ def save_checkpoint(
     model.save_pretrained(path / "model", safe_serialization=True)
     torch.save(
         {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            # sharded backends (ZeRO) write backend_rank<r>.pt on every rank instead
+            "backend": None if getattr(backend, "sharded_state", False) else backend.state_dict(),
             "controllers": controllers.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -128,6 +128,11 @@ def save_checkpoint(
     )
     np.save(path / "ledger.npy", ledger)
     (path / STATE_FILE).write_text(json.dumps({"step": step, "counters": counters}))
+
+
+def backend_shard_name(rank: int) -> str:
+    """Per-rank backend state file of sharded backends (ZeRO partitions optimizer state by rank)."""
+    return f"backend_rank{rank}.pt"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -165,25 +170,33 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
     model.train()
-    raw_model = model
-    if world > 1:
-        model = ray.train.torch.prepare_model(model, move_to_device=False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-    warm = max(tc.warmup_steps, 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+    backend = make_backend(
+        cfg.pipeline.backend,
+        model,
+        tc,
+        world,
+        zero_stage=pc.zero_stage,
+        extensions_dir=str(Path(cfg.workload.cache_dir).resolve() / "torch_extensions"),
     )
+    raw_model = backend.module
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     controllers = build_chain(controller_specs(cfg))
 
     step = 0
     ledger_parts: list[np.ndarray] = []
-    counters = {"trained": 0, "dropped": 0, "resumed_in_flight_regenerated": 0}
+    counters = {"trained": 0, "dropped": 0}
     if spec.resume_dir:
         state = torch.load(Path(spec.resume_dir, "trainer_state.pt"), weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        if getattr(backend, "sharded_state", False):
+            shard = Path(spec.resume_dir, backend_shard_name(rank))
+            if not shard.is_file():
+                raise FileNotFoundError(
+                    f"checkpoint {spec.resume_dir} has no {shard.name}: it was written with fewer learner "
+                    f"workers or a different backend; resume with the same pipeline.learner_workers/backend"
+                )
+            backend.load_state_dict(torch.load(shard, weights_only=False))
+        else:
+            backend.load_state_dict(state["backend"])
         controllers.load_state_dict(state["controllers"])
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
@@ -237,7 +250,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             continue
         t_got = time.perf_counter()
         metrics, sample_rows, consumed_ids, n_kept, n_drop = _learner_step(
-            model, params, optimizer, scheduler, estimator, controllers, batch_np, step, cfg, world, rank
+            backend, estimator, controllers, batch_np, step, cfg, world, rank
         )
         if n_kept > 0:
             step += 1
@@ -274,8 +287,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 rank,
                 step,
                 raw_model,
-                optimizer,
-                scheduler,
+                backend,
                 controllers,
                 ledger_parts,
                 counters,
@@ -309,9 +321,7 @@ def per_bucket_metrics(per_bucket: Any, rows: dict[str, np.ndarray]) -> dict[str
     return out
 
 
-def _learner_step(
-    model, params, optimizer, scheduler, estimator, controllers, batch_np, step, cfg: RunConfig, world, rank
-):
+def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfig, world, rank):
     """One consumption + (maybe) one optimizer step. Returns metrics, per-sample rows, counts."""
     tc = cfg.train
     info = SampleInfo(
@@ -355,7 +365,7 @@ def _learner_step(
         return metrics, rows, info.sample_id, 0, n_drop
 
     logits = R.completion_logits(
-        model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
+        backend.model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
     )
     with torch.no_grad():
         logp = gather_logprobs(logits.detach(), tb[R.COMPLETION_IDS], chunk_size=tc.logits_chunk)
@@ -365,7 +375,7 @@ def _learner_step(
     kept_idx = keep_t.nonzero().squeeze(1)
     sctx = StepContext(
         step=step,
-        base_lr=scheduler.get_last_lr()[0],
+        base_lr=backend.base_lr(step),
         mask=mask,
         logprobs=logp,
         behavior_logprobs=behavior,
@@ -381,18 +391,12 @@ def _learner_step(
     est_batch = dict(tb)
     est_batch[R.COMPLETION_MASK] = mask
     out = estimator(logits, est_batch, token_weights=weights)
-    optimizer.zero_grad(set_to_none=True)
-    out.loss.backward()
-    grads = [p.grad for p in params if p.grad is not None]
-    controllers.transform_gradient(grads, sctx)
-    if tc.grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
-    else:
-        grad_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    backend.backward(out.loss)
+    if backend.supports_gradient_transform:
+        controllers.transform_gradient(backend.gradients(), sctx)
+    grad_norm = backend.clip_and_norm(tc.grad_clip)
     scale = float(controllers.lr_scale(sctx))
-    with scaled_lr(optimizer, scale) as applied:
-        optimizer.step()
-    scheduler.step()
+    applied_lr = backend.step(step, scale)
     controllers.after_step(sctx)
 
     # telemetry: per-sample k3 KL(behavior || current) over valid tokens, per-sample loss
@@ -422,7 +426,7 @@ def _learner_step(
             "staleness/dropped": float(n_drop),
             "ess/rho": float(ess_fraction(sctx.seq_log_ratio.double())),
             "lr/scheduled": float(sctx.base_lr),
-            "lr/applied": float(applied[0]),
+            "lr/applied": float(applied_lr),
             "kl/behavior_current": float(k3_tok.sum() / valid.sum().clamp_min(1)),
             "grad/norm": grad_norm,
             "samples/kept": float(n_kept),
@@ -432,34 +436,40 @@ def _learner_step(
     return metrics, rows, info.sample_id, n_kept, n_drop
 
 
-def _report_checkpoint(
-    ray, rank, step, model, optimizer, scheduler, controllers, ledger_parts, counters, store, metrics
-):
+def _report_checkpoint(ray, rank, step, model, backend, controllers, ledger_parts, counters, store, metrics):
+    """Rank 0 writes the checkpoint; with a sharded backend (ZeRO) every rank adds its own shard.
+
+    Ray Train copies each worker's reported directory into the same ``step_<n>`` folder, so the
+    per-rank ``backend_rank<r>.pt`` files land next to rank 0's files.
+    """
     import tempfile
 
     from ray.train import Checkpoint
 
     ledger = np.concatenate(ledger_parts) if ledger_parts else np.zeros(0, dtype=np.int64)
-    if rank == 0:
-        with tempfile.TemporaryDirectory() as tmp:
+    sharded = getattr(backend, "sharded_state", False)
+    name = f"step_{step:06d}"
+    if rank != 0 and not sharded:
+        ray.train.report({"step": step}, checkpoint=None, checkpoint_dir_name=name)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        if rank == 0:
             save_checkpoint(
                 Path(tmp),
                 model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
+                backend=backend,
                 controllers=controllers,
                 step=step,
                 ledger=ledger,
                 counters=counters,
             )
             (Path(tmp) / "coordinator.json").write_text(json.dumps(store.state_dict(), default=str))
-            ray.train.report(
-                {"step": step},
-                checkpoint=Checkpoint.from_directory(tmp),
-                checkpoint_dir_name=f"step_{step:06d}",
-            )
-    else:
-        ray.train.report({"step": step}, checkpoint=None, checkpoint_dir_name=f"step_{step:06d}")
+        if sharded:
+            torch.save(backend.state_dict(), Path(tmp) / backend_shard_name(rank))
+        ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
+    if sharded and torch.distributed.is_initialized():
+        # every shard is on storage before any rank moves on (and might fail)
+        torch.distributed.barrier()
 
 
 class _Evaluator:

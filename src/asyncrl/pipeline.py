@@ -450,6 +450,8 @@ def summarize(
         "reward_mean_first": _mean_reward(kept, first=True),
         "reward_mean_last": _mean_reward(kept, first=False),
         "admission_wait_s": store_stats.get("admission_wait_s"),
+        # samples that were in flight when the run was last checkpointed and had to be generated again
+        "in_flight_regenerated_on_resume": store_stats.get("budget/lost", 0),
         "run_dir": str(run_dir),
     }
 

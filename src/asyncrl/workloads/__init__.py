@@ -8,7 +8,9 @@ the same way (``load_pair``).
 Modules: ``tasks`` (Task protocol, TASKS, user prompt files, prompt encoding),
 ``tokenizer`` (char tokenizer), ``presets`` (PRESETS, build_model), ``pretrain``,
 ``evaluate`` (greedy exact match), ``checkpoints`` (save / check / load_pair).
-Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light.
+Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light. The
+``pretrain`` function lives in (and is not re-exported over) the ``pretrain`` submodule:
+``from asyncrl.workloads.pretrain import pretrain``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ _EXPORTS = {
     "ModelSpec": "presets",
     "build_model": "presets",
     "get_preset": "presets",
-    "pretrain": "pretrain",
     "PretrainResult": "pretrain",
     "exact_match": "evaluate",
     "load_pair": "checkpoints",

@@ -79,6 +79,8 @@ def pretrain(
         not force
         and not missing_parts(teacher_dir, require_meta=True)
         and not missing_parts(student_dir, require_meta=True)
+        and _fingerprint_matches(read_meta(teacher_dir), preset_obj.teacher, preset_obj.teacher_schedule)
+        and _fingerprint_matches(read_meta(student_dir), preset_obj.student, preset_obj.student_schedule)
     ):
         tm, sm = read_meta(teacher_dir), read_meta(student_dir)
         log(
@@ -144,6 +146,12 @@ def _pretrain(
     )
     if results["teacher"][0] < 0.95:
         log(f"warning: teacher accuracy {results['teacher'][0]:.3f} < 0.95; consider a larger preset")
+    band = preset_obj.student_schedule
+    if not band.stop_at <= results["student"][0] <= band.cap:
+        log(
+            f"warning: student accuracy {results['student'][0]:.3f} is outside the target band "
+            f"[{band.stop_at}, {band.cap}]; the closest evaluated snapshot was kept"
+        )
     return PretrainResult(
         teacher_dir,
         student_dir,
@@ -210,7 +218,7 @@ def train_supervised(
         distance = max(schedule.stop_at - acc, acc - schedule.cap, 0.0)
         if distance == 0.0:
             return model.eval(), acc, step
-        if distance < best[0]:
+        if distance <= best[0]:  # ties keep the later (more trained) snapshot
             best = (distance, acc, step, copy.deepcopy(model.state_dict()))
         if acc > schedule.cap:  # overshot the band: later snapshots only get stronger
             break
@@ -241,6 +249,12 @@ def _encode_supervised(tokenizer: Any, examples: list[Example]) -> tuple[torch.T
         ids[i, : len(seq)] = torch.tensor(seq)
         labels[i, len(p) : len(seq)] = ids[i, len(p) : len(seq)]
     return ids, labels
+
+
+def _fingerprint_matches(meta: dict[str, Any], spec: Any, schedule: Schedule) -> bool:
+    """A cached model is reused only if it was built from the preset as it is now (a changed preset
+    or schedule would otherwise silently serve stale checkpoints)."""
+    return meta.get("model") == asdict(spec) and meta.get("schedule") == asdict(schedule)
 
 
 def _meta(
