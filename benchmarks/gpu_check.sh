@@ -27,11 +27,11 @@ DEVICE=${DEVICE:-cuda}
 STEPS=${STEPS:-20}
 RUN_TIMEOUT=${RUN_TIMEOUT:-180}
 OUT_DIR=${OUT:-/tmp/asyncrl_gpu_check}
-CACHE=${ASYNCRL_CACHE:-.asyncrl_cache}
+CACHE=$(realpath -m "${ASYNCRL_CACHE:-.asyncrl_cache}")  # absolute: Train workers do not share our cwd
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
-export TORCH_EXTENSIONS_DIR="$PWD/$CACHE/torch_extensions"
+export TORCH_EXTENSIONS_DIR="$CACHE/torch_extensions"
 
 echo "== 1. preflight ($PYTHON, device $DEVICE)"
 timeout 120 "$PYTHON" - "$DEVICE" <<'EOF'

@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def test_ray_job_submit_runs_example(tiny_pair, tmp_path):
         ray_bin = Path(shutil.which("ray") or "ray")
     dash = _free_port()
     env = {**os.environ, **RAY_ENV, "ASYNCRL_CACHE_DIR": str(CACHE)}
-    temp = tmp_path / "ray"
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # AF_UNIX socket paths must stay < 108 bytes
     start = subprocess.run(
         [
             str(ray_bin),
@@ -109,3 +110,4 @@ def test_ray_job_submit_runs_example(tiny_pair, tmp_path):
         assert (run_dir / "summary.json").exists()
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -56,14 +56,14 @@ else:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     msg = json.loads(res.stdout.strip().splitlines()[-1])["msg"]
-    assert INSTALL_HINT in msg and "pip install asyncrl[vllm]" in msg and "scripts/vllm_cpu_env.sh" in msg
+    assert INSTALL_HINT in msg and "pip install vllm" in msg and "scripts/vllm_cpu_env.sh" in msg
 
 
 def test_from_pretrained_raises_clear_import_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ImportError, match=r"install the vllm extra \(`pip install asyncrl\[vllm\]` on GPU\)"):
+    with pytest.raises(ImportError, match=r"install vLLM \(on GPU: `pip install vllm`"):
         VLLMEngine.from_pretrained(str(tmp_path))
 
 

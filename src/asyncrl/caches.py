@@ -309,7 +309,7 @@ def _row_seed(*parts: int) -> int:
 @CACHES.register("teacher_mc")
 @dataclass(frozen=True)
 class TeacherMCCache:
-    """m i.i.d. draws from the teacher ``y_j ~ p`` at scoring time, with replacement, plus ``log p(y_j)``.
+    """Teacher samples: m draws ``y_j ~ p`` (with replacement) at scoring time, plus ``log p(y_j)``.
 
     8m bytes per token. Feeds ``forward_kl_mc`` (unbiased FKL). Draws for a sample depend only
     on ``(seed, score seed, sample_id)``, not on how rows were batched; pass ``generator`` to

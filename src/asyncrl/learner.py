@@ -75,6 +75,15 @@ def all_sum(values: list[float], world: int) -> list[float]:
     return t.tolist()
 
 
+def gather_rows(rows: dict[str, np.ndarray], world: int) -> dict[str, np.ndarray]:
+    """Per-sample telemetry of every rank, concatenated in rank order (identical on all ranks)."""
+    if world == 1:
+        return rows
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, rows)
+    return {k: np.concatenate([r[k] for r in out]) for k in rows}
+
+
 def all_cat(x: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate a 1-D tensor of any length over ranks (rank order)."""
     if world == 1:
@@ -176,7 +185,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         tc,
         world,
         zero_stage=pc.zero_stage,
-        extensions_dir=str(Path(cfg.workload.cache_dir).resolve() / "torch_extensions"),
+        # DeepSpeed's JIT-op build cache goes with the model cache when that path is absolute (a
+        # relative one would resolve against this worker's cwd); else TORCH_EXTENSIONS_DIR or ~/.cache
+        extensions_dir=(
+            str(Path(cfg.workload.cache_dir, "torch_extensions"))
+            if Path(cfg.workload.cache_dir).is_absolute()
+            else None
+        ),
     )
     raw_model = backend.module
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
@@ -257,6 +272,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         counters["trained"] += n_kept
         counters["dropped"] += n_drop
         ledger_parts.append(all_cat(torch.from_numpy(consumed_ids), world).numpy())
+        sample_rows = gather_rows(sample_rows, world)
         publish()
         if rank == 0:
             store.consumed(n_kept, n_drop)
@@ -353,7 +369,9 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
         "kept": keep,
         "reward": np.asarray(batch_np.get(R.REWARD, np.full(len(keep), np.nan)), dtype=np.float64),
         "completion_len": tb[R.COMPLETION_MASK].sum(1).numpy(),
-        "step": np.full(len(keep), step),
+        # the optimizer step that consumed the sample (1-based, = metrics.jsonl "step"); a batch
+        # dropped whole is attributed to the next step
+        "step": np.full(len(keep), step + 1),
     }
     for extra in ("gen_node", "score_node", "gen_time_s", "gen_wait_s"):
         if extra in batch_np:

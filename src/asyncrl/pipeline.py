@@ -23,7 +23,7 @@ import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,9 @@ def resolve_models(cfg: RunConfig) -> ModelPaths:
     else:
         root = run_dir_for(w.task, w.preset, w.pretrain_seed, w.cache_dir)
         teacher_dir, student_dir = str(root / "teacher"), str(root / "student")
+    # absolute: Ray actors and Train workers do not run in the driver's working directory
+    teacher_dir = str(Path(teacher_dir).resolve()) if teacher_dir else None
+    student_dir = str(Path(student_dir).resolve())
     load_pair(teacher_dir or student_dir, student_dir)  # raises on missing/incomplete dirs and vocab mismatch
     tmeta = read_meta(teacher_dir) if teacher_dir else {}
     smeta = read_meta(student_dir)
@@ -225,6 +228,12 @@ def check_build(cfg: RunConfig, models: ModelPaths) -> tuple[Any, str | None]:
             "each learner worker's share of train.batch_size must hold whole groups (group_size)"
         )
     if cfg.pipeline.backend == "deepspeed":
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ValueError(
+                "pipeline.backend=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'"
+            )
         from asyncrl.controllers import build_chain
         from asyncrl.learner import controller_specs
 
@@ -334,7 +343,13 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
     t0 = time.perf_counter()
-    run_dir = Path(cfg.run_dir).resolve()
+    # workers do not share the driver's working directory: make every local path absolute
+    cfg = replace(
+        cfg,
+        run_dir=str(Path(cfg.run_dir).resolve()),
+        workload=replace(cfg.workload, cache_dir=str(Path(cfg.workload.cache_dir).resolve())),
+    )
+    run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     models = resolve_models(cfg)
     _, kind = check_build(cfg, models)
