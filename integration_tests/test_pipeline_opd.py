@@ -54,7 +54,7 @@ def plain_loop_losses(cfg) -> list[float]:
         g = engine.generate(
             torch.from_numpy(b[R.PROMPT_IDS]),
             torch.from_numpy(b[R.PROMPT_MASK]),
-            cfg_sampling(cfg),
+            cfg.sampling,
             seed=batch_seed(cfg.seed, b[R.SAMPLE_ID]),
         )
         batch = {

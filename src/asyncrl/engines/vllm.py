@@ -48,8 +48,8 @@ from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.vllm_worker import RELOAD_METHOD, serialize_state_dict
 
 INSTALL_HINT = (
-    "install vLLM (on GPU: `pip install vllm` then `pip install -e . --no-deps`, see docs/vllm.md) or create the CPU test env "
-    "with scripts/vllm_cpu_env.sh"
+    "install vLLM (on GPU: `pip install vllm` then `pip install -e . --no-deps`, see docs/vllm.md) "
+    "or create the CPU test env with scripts/vllm_cpu_env.sh"
 )
 WORKER_EXTENSION = "asyncrl.engines.vllm_worker.WeightSyncExtension"
 #: below this vLLM treats a request as greedy (vllm.v1.sample.sampler._SAMPLING_EPS)

@@ -219,7 +219,9 @@ class Reverse(SyntheticTask):
 
 @dataclass(frozen=True)
 class RunningSum(SyntheticTask):
-    """Running sums mod 10 of L digits (long outputs): ``"d_1..d_L="`` -> ``s_1..s_L``, ``s_j = sum_i<=j d_i mod 10``.
+    """Running sums mod 10 of L digits (long outputs): ``"d_1..d_L="`` -> ``s_1..s_L``.
+
+    ``s_j = (d_1 + ... + d_j) mod 10``.
 
     The length is fixed so that input digit ``j`` sits at a constant distance from output
     digit ``j`` (what makes it learnable for small models with relative positions).
