@@ -18,8 +18,6 @@ all-reduced, so every shard applies the same ``g' = scale_g g + coef_r r``. Runs
 DP all-reduce and before grad-norm clipping. Costs one gradient copy.
 """
 
-
-
 from __future__ import annotations
 
 import math

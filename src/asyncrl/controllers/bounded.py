@@ -16,8 +16,6 @@ of its group was), never silent. ``straggler="accept_and_log"`` keeps late sampl
 counts them as ``staleness/violations`` instead (AReaL/SkyRL behaviour; voids the guarantee).
 """
 
-
-
 from __future__ import annotations
 
 from dataclasses import dataclass

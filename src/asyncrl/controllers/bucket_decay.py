@@ -10,8 +10,6 @@
   mixed-lag batch survives; that is why ``batch_lr`` is the default.
 """
 
-
-
 from __future__ import annotations
 
 import itertools

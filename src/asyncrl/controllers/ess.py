@@ -12,8 +12,6 @@ all DP ranks, so every rank applies the same LR. The scale is applied for one st
 ``base.scaled_lr`` and the scheduled LR is restored afterwards.
 """
 
-
-
 from __future__ import annotations
 
 import math

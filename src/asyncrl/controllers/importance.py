@@ -10,8 +10,6 @@ gradient is ``sum w A grad log pi_theta``, never through ``w``.
 (exp(L_i / T_i), length-invariant; best for filtering).
 """
 
-
-
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -21,8 +21,6 @@ step moves the policy by about eta G. Two modes:
   horizon cap off until it is calibrated.
 """
 
-
-
 from __future__ import annotations
 
 import math
