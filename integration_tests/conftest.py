@@ -48,8 +48,9 @@ def ray_local():
     import ray
 
     from asyncrl.pipeline import RAY_ENV
+    from asyncrl.raysetup import runtime_env
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": dict(RAY_ENV)})
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=runtime_env(RAY_ENV, None))
     yield ray
     ray.shutdown()
 

@@ -103,6 +103,10 @@ class PipelineConfig:
         None, help="logical CPUs for a local ray.init (default: max(4, 2x cores)); ignored on a cluster"
     )
     ray_address: str | None = field(None, help="existing Ray cluster ('auto' or host:port); None = local")
+    data_tick_s: float | None = field(
+        None,
+        help="Ray Data scheduling tick (s) set in every Ray worker when asyncrl starts Ray; None keeps Ray's 0.1",
+    )
     no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
     rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
     resume: bool = field(True, help="resume from the run directory's latest checkpoint if present")

@@ -48,9 +48,6 @@ class LearnerSpec:
     eval_prompts: list[tuple[str, str]]  # (prompt, answer) held-out split
     resume_dir: str | None = None
     fail_at_step: int | None = None  # fault injection for resume tests
-    #: Ray Data scheduling tick while a gated generator task is blocked (None = Ray's 0.1 s);
-    #: only set for lock-step (max_lag 0), where the second core is idle anyway
-    executor_tick_s: float | None = None
 
 
 def controller_specs(cfg: RunConfig) -> list[tuple[str, dict[str, Any]]]:
@@ -91,22 +88,6 @@ def all_cat(x: torch.Tensor, world: int) -> torch.Tensor:
     out: list[Any] = [None] * world
     torch.distributed.all_gather_object(out, x.cpu())
     return torch.cat(out)
-
-
-def set_executor_tick(seconds: float) -> None:
-    """Shorten Ray Data's scheduling-loop wait (a module constant in Ray 2.60) in this process.
-
-    The streaming executor waits up to 0.1 s for *all* active tasks each loop iteration; a
-    generator task blocked on admission is always active, so in lock-step every hand-off costs
-    1-3 ticks (see shared/research/raydata_latency.md). The executor runs in this worker when
-    ``datasets_to_split=[]``. Silently keeping Ray's default when the constant moved would hide a
-    regression, so a missing attribute raises.
-    """
-    from ray.data._internal.execution import streaming_executor_state as ses
-
-    if not hasattr(ses, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):
-        raise RuntimeError("this Ray version has no WAIT_FOR_TASK_COMPLETION_TIMEOUT_S; pin ray==2.60.0")
-    ses.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = seconds
 
 
 # --- checkpoint ----------------------------------------------------------------------------------
@@ -251,8 +232,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         writer.log_step(0, {"eval/accuracy": acc, "time_s": 0.0})
     publish()  # weights v=step open admission
 
-    if spec.executor_tick_s is not None:
-        set_executor_tick(spec.executor_tick_s)
     it = ray.train.get_dataset_shard("train").iter_batches(
         batch_size=local_batch, prefetch_batches=0, batch_format="numpy"
     )

@@ -381,9 +381,6 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
             eval_prompts=[(e.prompt, e.answer) for e in eval_ex[: cfg.train.eval_size]],
             resume_dir=str(resume_dir) if resume_dir else None,
             fail_at_step=fail_at_step,
-            executor_tick_s=0.002
-            if cfg.pipeline.max_lag == 0 and cfg.pipeline.learner_workers == 1
-            else None,
         )
         if cfg.pipeline.learner_workers == 1:
             data_config = DataConfig(datasets_to_split=[], enable_shard_locality=False)

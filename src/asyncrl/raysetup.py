@@ -1,0 +1,41 @@
+"""Ray worker-process setup: shorten Ray Data's scheduling tick in every process of a run.
+
+Ray Data's streaming executor waits up to ``WAIT_FOR_TASK_COMPLETION_TIMEOUT_S`` (0.1 s in
+Ray 2.60) for *all* active tasks in each loop iteration. A generator task blocked on the
+staleness budget is always active, so every hand-off between stages costs one to three 0.1 s
+ticks (measured in shared/research/raydata_latency.md): at lock-step that is most of a step,
+and it caps async throughput too. The executor runs in a Ray Train helper actor, so the
+constant is set through ``worker_process_setup_hook`` in every worker process, from the
+``ASYNCRL_DATA_TICK_S`` environment variable. A Ray version without the constant fails loudly
+rather than silently keeping the slow tick.
+"""
+
+from __future__ import annotations
+
+import os
+
+TICK_ENV = "ASYNCRL_DATA_TICK_S"
+DEFAULT_TICK_S = 0.005
+
+
+def setup_worker() -> None:
+    """``worker_process_setup_hook``: apply the tick from the environment (no-op if unset)."""
+    tick = os.environ.get(TICK_ENV)
+    if tick:
+        set_data_tick(float(tick))
+
+
+def set_data_tick(seconds: float) -> None:
+    from ray.data._internal.execution import streaming_executor_state as ses
+
+    if not hasattr(ses, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):
+        raise RuntimeError("this Ray version has no WAIT_FOR_TASK_COMPLETION_TIMEOUT_S; pin ray==2.60.0")
+    ses.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = seconds
+
+
+def runtime_env(env_vars: dict[str, str], tick_s: float | None = DEFAULT_TICK_S) -> dict:
+    """The ``runtime_env`` asyncrl starts Ray with: env vars plus the tick hook."""
+    env = dict(env_vars)
+    if tick_s is not None:
+        env[TICK_ENV] = str(tick_s)
+    return {"env_vars": env, "worker_process_setup_hook": "asyncrl.raysetup.setup_worker"}
