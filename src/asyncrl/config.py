@@ -105,7 +105,7 @@ class PipelineConfig:
     ray_address: str | None = field(None, help="existing Ray cluster ('auto' or host:port); None = local")
     data_tick_s: float | None = field(
         None,
-        help="Ray Data scheduling tick (s) set in every Ray worker when asyncrl starts Ray; None keeps Ray's 0.1",
+        help="Ray Data scheduling tick (s) set in every Ray worker asyncrl starts; None keeps Ray's 0.1",
     )
     no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
     rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
