@@ -84,6 +84,9 @@ def plain_loop_losses(cfg) -> list[float]:
         out.loss.backward()
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.train.grad_clip)
+        warm = cfg.train.warmup_steps
+        for group in opt.param_groups:  # linear warmup, then constant
+            group["lr"] = cfg.train.lr * (min(1.0, (step + 1) / warm) if warm > 0 else 1.0)
         opt.step()
         losses.append(float(out.loss.detach()))
     return losses

@@ -35,7 +35,7 @@ def test_reference_documents_every_field_and_component() -> None:
         for name in registry.names():
             assert f"### `{name}`" in text, name
     assert "| `tail` | `'drop' \\| 'bucket' \\| 'renorm'` | `bucket` |" in text  # Literal choices, escaped
-    assert "| `estimator.name` | `str` | `reverse_kl_mc` |" in text  # the effective default
+    assert "| `estimator.name` | `str` | `forward_kl` |" in text  # the effective default
 
 
 def test_check_mode_detects_a_stale_file(tmp_path: Path) -> None:

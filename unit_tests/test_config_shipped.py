@@ -37,8 +37,10 @@ def test_each_config_is_what_its_name_says() -> None:
     assert sync.__class__(**{**vars(sync), "run_dir": asyn.run_dir, "pipeline": asyn.pipeline}) == asyn
     grpo = cfg["grpo.yaml"]
     assert (grpo.algo, grpo.estimator.name) == ("grpo", "grpo") and grpo.train.group_size >= 4
-    fkl = cfg["opd_reverse_kl_mc.yaml"]
-    assert fkl.estimator.name == "forward_kl" and fkl.cache.kind == "topk" and fkl.cache.k >= 1
+    assert asyn.estimator.name == "forward_kl" and asyn.cache.k >= 1
+    rkl = cfg["opd_reverse_kl_mc.yaml"]
+    assert rkl.estimator.name == "reverse_kl_mc" and rkl.sampling.mc_samples >= 2
+    assert rkl.estimator.options["advantage"] == "online"  # the "recompute" fix
     assert cfg["opd_tiny.yaml"].workload.preset == "tiny"
     for c in cfg.values():
         if c.algo == "opd":
