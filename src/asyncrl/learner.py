@@ -243,6 +243,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if len(batch_np[R.SAMPLE_ID]) == 0:
             continue
         t_got = time.perf_counter()
+        batch_np["consumed_at"] = np.full(len(batch_np[R.SAMPLE_ID]), time.time())
         metrics, sample_rows, consumed_ids, n_kept, n_drop = _learner_step(
             backend, estimator, controllers, batch_np, step, cfg, world, rank
         )
@@ -352,7 +353,15 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
         # dropped whole is attributed to the next step
         "step": np.full(len(keep), step + 1),
     }
-    for extra in ("gen_node", "score_node", "gen_time_s", "gen_wait_s"):
+    for extra in (
+        "gen_node",
+        "score_node",
+        "gen_time_s",
+        "gen_wait_s",
+        "gen_done_at",
+        "score_done_at",
+        "consumed_at",
+    ):
         if extra in batch_np:
             rows[extra] = np.asarray(batch_np[extra])
     if n_kept == 0:  # everything stale on every rank: count it, no optimizer step

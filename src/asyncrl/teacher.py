@@ -9,6 +9,7 @@ full [B, T, V] logits. It also scores the task reward, for accuracy telemetry.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -51,4 +52,5 @@ class ScoreTeacher:
         out.update(R.to_numpy(scores))
         out[R.REWARD] = self.reward.rewards(batch)
         out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
+        out["score_done_at"] = np.full(len(out[R.REWARD]), time.time(), dtype=np.float64)
         return out
