@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"train.steps={args.steps}",
         f"train.batch_size={args.batch}",
         f"estimator.name={args.estimator}",
-        *([] if args.estimator == "forward_kl" else ["estimator.options={}"]),  # the config's options are FKL's
+        *([] if args.estimator == "forward_kl" else ["estimator.options={}"]),  # config options: FKL
         "train.eval_every=0",
         "telemetry.progress=false",
         "telemetry.tensorboard=false",
