@@ -26,7 +26,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.config import load_config
 from asyncrl.pipeline import cache_options, check_build, load_examples, prompt_blocks, resolve_models, run
-from asyncrl.rollout import batch_seed, pad_to
+from asyncrl.rollout import batch_seed, pad_rollout
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_async.yaml"
 
@@ -68,20 +68,9 @@ def plain_loop(cfg, warmup: int = 2) -> dict[str, float]:
             R.PROMPT_IDS: torch.from_numpy(b[R.PROMPT_IDS]),
             R.PROMPT_MASK: torch.from_numpy(b[R.PROMPT_MASK]).bool(),
         }
-        for k, fill in (
-            (R.COMPLETION_IDS, engine.pad_id),
-            (R.COMPLETION_MASK, False),
-            (R.BEHAVIOR_LOGPROBS, 0.0),
-            (R.MC_IDS, engine.pad_id),
-            (R.MC_BEHAVIOR_LOGPROBS, 0.0),
-        ):
-            if k in g:
-                batch[k] = pad_to(g[k], T, fill)
+        batch.update(pad_rollout(g, T, engine.pad_id))
         batch.update(score_teacher(teacher, batch, cache, seed=batch_seed(cfg.seed + 1, b[R.SAMPLE_ID])))
-        t_eff = max(int(batch[R.COMPLETION_MASK].sum(1).max()), 1)
-        for k, col in R.COLUMNS.items():
-            if k in batch and len(col.dims) >= 2 and col.dims[1] == "T":
-                batch[k] = batch[k][:, :t_eff]
+        batch = R.trim_to_longest(batch)
         logits = R.completion_logits(
             student,
             batch[R.PROMPT_IDS],

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -102,9 +101,7 @@ def test_ray_job_submit_runs_example(tiny_pair, tmp_path):
             "pipeline.ray_address=auto",
             f"workload.cache_dir={CACHE}",
         ]
-        deadline = time.time() + 400
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-        assert time.time() < deadline
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "succeeded" in (proc.stdout + proc.stderr).lower()
         assert (run_dir / "summary.json").exists()

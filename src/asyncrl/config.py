@@ -8,7 +8,7 @@ typo fails before any process starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -214,7 +214,3 @@ def resolve_components(cfg: RunConfig) -> None:
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def with_overrides(cfg: RunConfig, **changes: Any) -> RunConfig:
-    return replace(cfg, **changes)

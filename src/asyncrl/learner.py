@@ -30,6 +30,7 @@ from asyncrl.backends import make_backend
 from asyncrl.config import RunConfig
 from asyncrl.controllers import build_chain
 from asyncrl.controllers.base import SampleInfo, StepContext
+from asyncrl.controllers.functional import ess_fraction
 from asyncrl.estimators import build as build_estimator
 from asyncrl.estimators.functional import gather_logprobs
 
@@ -288,7 +289,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 ledger_parts,
                 counters,
                 store,
-                metrics,
             )
         if spec.fail_at_step is not None and step >= spec.fail_at_step:
             raise RuntimeError(f"fault injected at step {step} (pipeline fail_at_step)")
@@ -329,11 +329,7 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     keep = np.asarray(controllers.keep(info, step), dtype=bool)
     n_kept, n_drop = (int(v) for v in all_sum([float(keep.sum()), float((~keep).sum())], world))
     tb = R.to_torch({k: v for k, v in batch_np.items() if k in R.COLUMNS})
-    # trim per-token columns to the longest completion in this batch (saves compute; masks unchanged)
-    t_eff = max(int(tb[R.COMPLETION_MASK].sum(1).max()), 1)
-    for k, col in R.COLUMNS.items():
-        if k in tb and len(col.dims) >= 2 and col.dims[1] == "T":
-            tb[k] = tb[k][:, :t_eff]
+    tb = R.trim_to_longest(tb)
     keep_t = torch.from_numpy(keep)
     mask = tb[R.COMPLETION_MASK] & keep_t[:, None]
     lags = torch.from_numpy(info.lag(step))
@@ -419,8 +415,6 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
         if per_sample_loss is not None
         else np.full(len(keep), np.nan)
     )
-    from asyncrl.controllers.functional import ess_fraction
-
     kept_lags = lags[kept_idx].float()
     metrics.update(out.metrics)
     metrics.update(controllers.metrics())  # per-rank views; the global figures below take precedence
@@ -442,7 +436,7 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     return metrics, rows, info.sample_id, n_kept, n_drop
 
 
-def _report_checkpoint(ray, rank, step, model, backend, controllers, ledger_parts, counters, store, metrics):
+def _report_checkpoint(ray, rank, step, model, backend, controllers, ledger_parts, counters, store):
     """Rank 0 writes the checkpoint; with a sharded backend (ZeRO) every rank adds its own shard.
 
     Ray Train copies each worker's reported directory into the same ``step_<n>`` folder, so the

@@ -244,21 +244,15 @@ def to_torch(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def concat(batches: list[Mapping[str, Any]], pad_id: int = 0) -> dict[str, np.ndarray]:
-    """Concatenate numpy batches along B, right-padding per-token columns to the longest T."""
-    if not batches:
-        return {}
-    keys = list(batches[0])
-    out = {}
-    for k in keys:
-        arrs = [np.asarray(b[k]) for b in batches]
-        col = COLUMNS.get(k)
-        if arrs[0].ndim >= 2 and col is not None and len(col.dims) >= 2 and col.dims[1] == "T":
-            T = max(a.shape[1] for a in arrs)
-            fill = pad_id if col.kind == "int" else (False if col.kind == "bool" else 0.0)
-            arrs = [
-                np.pad(a, [(0, 0), (0, T - a.shape[1])] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-                for a in arrs
-            ]
-        out[k] = np.concatenate(arrs, axis=0)
+def trim_to_longest(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cut per-token columns ([B, T, ...]) to the batch's longest completion (at least 1).
+
+    Rollouts are padded to ``max_new_tokens`` so Ray Data blocks have fixed shapes; the learner
+    computes only over positions some sample uses. Masks are unchanged, so losses are too.
+    """
+    t_eff = max(int(batch[COMPLETION_MASK].sum(1).max()), 1)
+    out = dict(batch)
+    for k, col in COLUMNS.items():
+        if k in out and len(col.dims) >= 2 and col.dims[1] == "T":
+            out[k] = out[k][:, :t_eff]
     return out

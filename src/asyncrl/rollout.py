@@ -44,6 +44,12 @@ def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Ten
     return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype)], dim=1)
 
 
+def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad every per-token column an engine returned to ``length`` with its column's filler."""
+    fill = {R.COMPLETION_IDS: pad_id, R.MC_IDS: pad_id, R.COMPLETION_MASK: False, R.TOKEN_VERSIONS: -1}
+    return {k: pad_to(v, length, fill.get(k, 0.0)) for k, v in out.items()}
+
+
 class Generate:
     """Ray Data actor UDF holding one rollout engine for the actor's lifetime."""
 
@@ -90,18 +96,10 @@ class Generate:
             self.params,
             seed=batch_seed(self.seed, batch[R.SAMPLE_ID]),
         )
-        T = self.params.max_new_tokens
-        pad_id = getattr(self.engine, "pad_id", 0)
-        versions = out[R.TOKEN_VERSIONS]
-        mask = out[R.COMPLETION_MASK]
+        out = pad_rollout(out, self.params.max_new_tokens, getattr(self.engine, "pad_id", 0))
+        versions, mask = out[R.TOKEN_VERSIONS], out[R.COMPLETION_MASK]
         result = dict(batch)
-        result[R.COMPLETION_IDS] = pad_to(out[R.COMPLETION_IDS], T, pad_id)
-        result[R.COMPLETION_MASK] = pad_to(mask, T, False)
-        result[R.BEHAVIOR_LOGPROBS] = pad_to(out[R.BEHAVIOR_LOGPROBS], T, 0.0)
-        result[R.TOKEN_VERSIONS] = pad_to(versions, T, -1)
-        for key in (R.MC_IDS, R.MC_BEHAVIOR_LOGPROBS):
-            if key in out:
-                result[key] = pad_to(out[key], T, pad_id if key == R.MC_IDS else 0.0)
+        result.update(out)
         # first/last version over valid tokens (a sequence can span versions with in-flight updates)
         big = torch.iinfo(torch.int32).max
         vfirst = torch.where(mask, versions, torch.full_like(versions, big)).min(dim=1).values
