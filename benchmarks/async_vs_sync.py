@@ -8,6 +8,8 @@ workers, model loading) and evaluation; the start-up cost is printed separately.
 
     python benchmarks/async_vs_sync.py --preset small --steps 30
     python benchmarks/async_vs_sync.py --preset tiny --steps 12             # quick smoke
+    python benchmarks/async_vs_sync.py --deepspeed                          # + DeepSpeed learner
+    .venv-vllm/bin/python benchmarks/async_vs_sync.py --vllm                # + vLLM engine (vllm env)
 
 Goals (issue #5): (b)/(a) >= 0.85 (the framework costs little), (c)/(b) >= 1.5 on 2 cores.
 """
@@ -101,6 +103,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument(
         "--deepspeed", action="store_true", help="also run (b') max_lag=0 with the DeepSpeed learner"
     )
+    ap.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run (c') max_lag=S with the vLLM engine (run from the vllm env: scripts/vllm_cpu_env.sh)",
+    )
     ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
     args = ap.parse_args(argv)
 
@@ -141,6 +148,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             )
         )
     runs.append(("async", f"(c) asyncrl max_lag={args.max_lag}", [f"pipeline.max_lag={args.max_lag}"]))
+    if args.vllm:
+        runs.append(
+            (
+                "async_vllm",
+                f"(c') asyncrl max_lag={args.max_lag}, vLLM engine",
+                [f"pipeline.max_lag={args.max_lag}", "pipeline.engine=vllm"],
+            )
+        )
     for key, label, more in runs:
         res = run(cfg_for(key, *more))
         s = res.summary
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     figures["ratio_async_over_sync"] = figures["async_samples_per_s"] / figures["sync_samples_per_s"]
     if args.deepspeed:
         figures["ratio_deepspeed_over_ddp"] = figures["sync_ds_samples_per_s"] / figures["sync_samples_per_s"]
+    if args.vllm:
+        figures["ratio_vllm_over_hf"] = figures["async_vllm_samples_per_s"] / figures["async_samples_per_s"]
 
     print(
         f"\npreset={args.preset} task={args.task} steps={args.steps} batch={args.batch} "
@@ -164,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"(c)/(b) = {figures['ratio_async_over_sync']:.2f}   (goal >= 1.5)")
     if args.deepspeed:
         print(f"(b')/(b) = {figures['ratio_deepspeed_over_ddp']:.2f}   (DeepSpeed vs DDP learner)")
+    if args.vllm:
+        print(f"(c')/(c) = {figures['ratio_vllm_over_hf']:.2f}   (vLLM vs HF rollout engine)")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return figures

@@ -4,18 +4,17 @@
 #   1. preflight: torch sees a GPU; ray, transformers and deepspeed import (prints versions)
 #   2. learner backends on CUDA in one process: torch AdamW vs DeepSpeed ZeRO-1/2 (NCCL, world 1),
 #      ms/step and loss agreement (benchmarks/backend_step.py)
-#   3. the pipeline with the HF engine generating on CUDA, learners DDP and DeepSpeed ZeRO-2
-#      (2 workers each; the learner itself still runs on CPU, see below): samples/s from summary.json
+#   3. the pipeline on one GPU (pipeline.device=cuda: learner, HF engine and teacher on CUDA, NCCL),
+#      DDP vs DeepSpeed ZeRO-2 learner, 1 worker each (NCCL allows one rank per GPU), GPU shares
+#      0.5 learner + 0.25 generator + 0.25 teacher scorer: samples/s from summary.json
 #
 # Environment knobs: PYTHON (default .venv/bin/python if present, else python3), PRESET (tiny;
 # `small` if its pair is cached or you can afford pretraining it), STEPS (20), RUN_TIMEOUT (s per
 # pipeline run, 180), OUT (where run dirs and logs go; the device tool's $OUT when set),
 # DEVICE (cuda; DEVICE=cpu runs the same script on a CPU machine to check the script itself).
 #
-# The learner has no device option yet (pipeline.py uses ScalingConfig(use_gpu=False), a gloo
-# TorchConfig and DS_ACCELERATOR=cpu; learner.py keeps batches on CPU), so step 3 puts only
-# generation on the GPU. The python needs a CUDA torch plus the asyncrl dependencies (ray 2.60,
-# transformers, deepspeed installed with DS_BUILD_OPS=0); a CPU-only .venv cannot pass step 1.
+# The python needs a CUDA torch plus the asyncrl dependencies (ray 2.60, transformers, deepspeed
+# installed with DS_BUILD_OPS=0); a CPU-only .venv cannot pass step 1 with DEVICE=cuda.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -54,7 +53,7 @@ echo "== 2. learner backends on $DEVICE (one process)"
 DS_ACCELERATOR=$DEVICE timeout 240 "$PYTHON" benchmarks/backend_step.py \
   --device "$DEVICE" --preset "$PRESET" --batch 64 --seq 48 --steps 30 --extensions-dir "$CACHE/torch_extensions"
 
-echo "== 3. pipeline: HF engine on $DEVICE, DDP vs DeepSpeed ZeRO-2 learners (preset $PRESET, $STEPS steps)"
+echo "== 3. pipeline on $DEVICE: DDP vs DeepSpeed ZeRO-2 learner (preset $PRESET, $STEPS steps)"
 timeout 600 "$PYTHON" -m asyncrl.cli -q pretrain --preset "$PRESET" --cache-dir "$CACHE"
 for backend in ddp deepspeed; do
   run_dir="$OUT_DIR/run_$backend"
@@ -62,8 +61,9 @@ for backend in ddp deepspeed; do
   t0=$(date +%s)
   timeout "$RUN_TIMEOUT" "$PYTHON" -m asyncrl.cli -q run examples/configs/opd_tiny.yaml \
     "run_dir=$run_dir" "workload.preset=$PRESET" "workload.cache_dir=$CACHE" \
-    "pipeline.engine_options.device=$DEVICE" "pipeline.backend=$backend" pipeline.zero_stage=2 \
-    pipeline.learner_workers=2 pipeline.max_lag=2 "train.steps=$STEPS" train.eval_every=0 \
+    "pipeline.device=$DEVICE" pipeline.gpus_per_worker=0.5 pipeline.gpus_per_actor=0.25 \
+    "pipeline.backend=$backend" pipeline.zero_stage=2 \
+    pipeline.learner_workers=1 pipeline.max_lag=2 "train.steps=$STEPS" train.eval_every=0 \
     telemetry.progress=false >"$OUT_DIR/$backend.log" 2>&1 \
     || { echo "$backend run failed (exit $?); last lines of $OUT_DIR/$backend.log:"; tail -30 "$OUT_DIR/$backend.log"; exit 1; }
   "$PYTHON" - "$run_dir" "$backend" "$(($(date +%s) - t0))" <<'EOF'

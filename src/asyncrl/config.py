@@ -80,7 +80,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     max_lag: int = field(2, help="S: hard per-sample staleness bound in optimizer steps; 0 = synchronous")
-    learner_workers: int = field(1, help="Ray Train workers (DDP over gloo on CPU)")
+    learner_workers: int = field(1, help="Ray Train workers (DDP over gloo on CPU, NCCL on CUDA)")
     backend: Literal["ddp", "deepspeed"] = field("ddp", help="learner backend")
     zero_stage: int = field(2, help="DeepSpeed ZeRO stage (1 or 2) when backend=deepspeed")
     engine: str = field("hf", help="rollout engine (asyncrl ls engines)")
@@ -98,14 +98,24 @@ class PipelineConfig:
     scorer_resources: dict[str, float] = field(
         default_factory=dict, help="extra Ray resources per teacher/reward scorer actor"
     )
+    device: Literal["cpu", "cuda"] = field(
+        "cpu",
+        help="where learner workers, the HF engine and the teacher run; cuda: NCCL, and GPU shares "
+        "from gpus_per_worker / gpus_per_actor (checked against the Ray cluster at start)",
+    )
+    gpus_per_worker: float = field(1.0, help="GPUs per learner worker when device=cuda (< 1 shares one)")
+    gpus_per_actor: float = field(
+        0.25, help="GPUs per generation / scoring actor when device=cuda (vLLM: also set its memory share)"
+    )
     torch_threads: int = field(1, help="torch intra-op threads per actor and worker")
     num_cpus: int | None = field(
         None, help="logical CPUs for a local ray.init (default: max(4, 2x cores)); ignored on a cluster"
     )
     ray_address: str | None = field(None, help="existing Ray cluster ('auto' or host:port); None = local")
     data_tick_s: float | None = field(
-        None,
-        help="Ray Data scheduling tick (s) set in every Ray worker asyncrl starts; None keeps Ray's 0.1",
+        0.005,
+        help="Ray Data scheduling tick (s) in every Ray worker asyncrl starts (Ray's own: 0.1 s, paid "
+        "per stage hand-off while a generator waits for admission); None keeps Ray's",
     )
     no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
     rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
@@ -117,6 +127,8 @@ class PipelineConfig:
         check(self.generators >= 1, "generators", self.generators, "use >= 1")
         check(self.teacher_scorers >= 1, "teacher_scorers", self.teacher_scorers, "use >= 1")
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
+        check(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "use a share > 0, e.g. 0.5")
+        check(self.gpus_per_actor > 0, "gpus_per_actor", self.gpus_per_actor, "use a share > 0, e.g. 0.25")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from asyncrl.config import RunConfig
 from asyncrl.controllers import build_chain
 from asyncrl.controllers.base import SampleInfo, StepContext
 from asyncrl.controllers.functional import ess_fraction
+from asyncrl.estimators import accepts_token_logprobs
 from asyncrl.estimators import build as build_estimator
 from asyncrl.estimators.functional import gather_logprobs
 
@@ -65,10 +66,17 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
+def comm_device() -> torch.device:
+    """Where collective tensors must live: NCCL reduces only CUDA tensors, gloo CPU ones."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_sum(values: list[float], world: int) -> list[float]:
     if world == 1:
         return values
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     torch.distributed.all_reduce(t)
     return t.tolist()
 
@@ -88,7 +96,7 @@ def all_cat(x: torch.Tensor, world: int) -> torch.Tensor:
         return x
     out: list[Any] = [None] * world
     torch.distributed.all_gather_object(out, x.cpu())
-    return torch.cat(out)
+    return torch.cat(out).to(x.device)
 
 
 # --- checkpoint ----------------------------------------------------------------------------------
@@ -160,7 +168,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model_dir = Path(spec.resume_dir, "model") if spec.resume_dir else Path(spec.student_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
-    model.train()
+    # pipeline.device=cuda: this worker's GPU (Ray Train sets CUDA_VISIBLE_DEVICES and the index)
+    device = ray.train.torch.get_device() if pc.device == "cuda" else torch.device("cpu")
+    if pc.backend == "deepspeed":
+        os.environ["DS_ACCELERATOR"] = pc.device  # DeepSpeed picks its accelerator (and NCCL/gloo) from it
+    model.to(device).train()
     backend = make_backend(
         cfg.pipeline.backend,
         model,
@@ -222,7 +234,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     def publish() -> None:
         if rank == 0:
-            sd = {k: v.detach().clone() for k, v in raw_model.state_dict().items()}
+            # CPU tensors for the object store (engines live in other processes, maybe on other
+            # devices); no clone: ray.put serializes a copy before publish returns
+            sd = {k: v.detach().cpu() for k, v in raw_model.state_dict().items()}
             store.publish(sd, step)
 
     evaluator = _Evaluator(cfg, tokenizer, spec.eval_prompts) if rank == 0 else None
@@ -246,8 +260,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         t_got = time.perf_counter()
         batch_np["consumed_at"] = np.full(len(batch_np[R.SAMPLE_ID]), time.time())
         metrics, sample_rows, consumed_ids, n_kept, n_drop = _learner_step(
-            backend, estimator, controllers, batch_np, step, cfg, world, rank
+            backend, estimator, controllers, batch_np, step, cfg, world, rank, device
         )
+        t_computed = time.perf_counter()
         if n_kept > 0:
             step += 1
         counters["trained"] += n_kept
@@ -264,6 +279,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             metrics["throughput/learner_idle_frac"] = (t_got - t_prev) / max(dt, 1e-9)
             metrics["time/step_s"] = dt
             metrics["time/data_wait_s"] = t_got - t_prev
+            metrics["time/compute_s"] = t_computed - t_got  # forward, loss, backward, optimizer step
+            metrics["time/publish_s"] = t_done - t_computed  # gathers, weights to the store, release
             metrics.update(per_bucket_metrics(per_bucket, sample_rows))
             if tc.eval_every > 0 and (step % tc.eval_every == 0 or step >= tc.steps) and n_kept > 0:
                 acc, edt = evaluator(raw_model)
@@ -317,8 +334,10 @@ def per_bucket_metrics(per_bucket: Any, rows: dict[str, np.ndarray]) -> dict[str
     return out
 
 
-def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfig, world, rank):
-    """One consumption + (maybe) one optimizer step. Returns metrics, per-sample rows, counts."""
+def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfig, world, rank, device):
+    """One consumption + (maybe) one optimizer step. Returns metrics, per-sample rows, counts.
+
+    Tensors live on ``device`` (the model's); per-sample rows go back to numpy on the CPU."""
     tc = cfg.train
     info = SampleInfo(
         sample_id=np.asarray(batch_np[R.SAMPLE_ID]),
@@ -329,10 +348,10 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     keep = np.asarray(controllers.keep(info, step), dtype=bool)
     n_kept, n_drop = (int(v) for v in all_sum([float(keep.sum()), float((~keep).sum())], world))
     tb = R.to_torch({k: v for k, v in batch_np.items() if k in R.COLUMNS})
-    tb = R.trim_to_longest(tb)
-    keep_t = torch.from_numpy(keep)
+    tb = {k: v.to(device) for k, v in R.trim_to_longest(tb).items()}
+    keep_t = torch.from_numpy(keep).to(device)
     mask = tb[R.COMPLETION_MASK] & keep_t[:, None]
-    lags = torch.from_numpy(info.lag(step))
+    lags = torch.from_numpy(info.lag(step)).to(device)
     metrics: dict[str, float] = {}
     rows = {
         "sample_id": info.sample_id,
@@ -341,10 +360,10 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
         "version_first": info.version_first,
         "version_last": info.version_last,
         "learner_version": np.full(len(keep), step),
-        "lag": lags.numpy(),
+        "lag": lags.cpu().numpy(),
         "kept": keep,
         "reward": np.asarray(batch_np.get(R.REWARD, np.full(len(keep), np.nan)), dtype=np.float64),
-        "completion_len": tb[R.COMPLETION_MASK].sum(1).numpy(),
+        "completion_len": tb[R.COMPLETION_MASK].sum(1).cpu().numpy(),
         # the optimizer step that consumed the sample (1-based, = metrics.jsonl "step"); a batch
         # dropped whole is attributed to the next step
         "step": np.full(len(keep), step + 1),
@@ -355,6 +374,7 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
         "gen_time_s",
         "gen_wait_s",
         "gen_done_at",
+        "score_time_s",
         "score_done_at",
         "consumed_at",
     ):
@@ -369,8 +389,10 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     logits = R.completion_logits(
         backend.model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
     )
-    with torch.no_grad():
-        logp = gather_logprobs(logits.detach(), tb[R.COMPLETION_IDS], chunk_size=tc.logits_chunk)
+    # log pi_theta at the generated tokens, gathered once: with grad for the estimator, detached
+    # for the controllers and telemetry
+    logp_grad = gather_logprobs(logits, tb[R.COMPLETION_IDS], chunk_size=tc.logits_chunk)
+    logp = logp_grad.detach()
     behavior = tb[R.BEHAVIOR_LOGPROBS]
     log_ratio = torch.where(mask, logp - behavior, torch.zeros_like(logp))
     seq_log_ratio = log_ratio.sum(1)
@@ -383,7 +405,7 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
         behavior_logprobs=behavior,
         token_versions=tb[R.TOKEN_VERSIONS],
         lags=lags,
-        group_ids=torch.from_numpy(info.group_id),
+        group_ids=torch.from_numpy(info.group_id).to(device),
         seq_log_ratio=all_cat(seq_log_ratio[kept_idx], world),
         lags_global=all_cat(lags[kept_idx], world),
         world_size=world,
@@ -392,7 +414,8 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     weights = controllers.token_weights(sctx)
     est_batch = dict(tb)
     est_batch[R.COMPLETION_MASK] = mask
-    out = estimator(logits, est_batch, token_weights=weights)
+    given = {"token_logprobs": logp_grad} if accepts_token_logprobs(estimator) else {}
+    out = estimator(logits, est_batch, token_weights=weights, **given)
     backend.backward(out.loss)
     if backend.supports_gradient_transform:
         controllers.transform_gradient(backend.gradients(), sctx)
@@ -406,12 +429,12 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     r = torch.exp(torch.clamp(log_ratio, -20, 20))
     k3_tok = torch.where(mask, r - log_ratio - 1, torch.zeros_like(r))
     n_tok = valid.sum(1).clamp_min(1)
-    rows["kl_behavior_current"] = torch.where(
-        keep_t, k3_tok.sum(1) / n_tok, torch.full_like(n_tok, float("nan"))
-    ).numpy()
+    rows["kl_behavior_current"] = (
+        torch.where(keep_t, k3_tok.sum(1) / n_tok, torch.full_like(n_tok, float("nan"))).cpu().numpy()
+    )
     per_sample_loss = out.per_sample.get("loss")
     rows["loss"] = (
-        torch.where(keep_t, per_sample_loss.detach().float(), torch.tensor(float("nan"))).numpy()
+        torch.where(keep_t, per_sample_loss.detach().float(), float("nan")).cpu().numpy()
         if per_sample_loss is not None
         else np.full(len(keep), np.nan)
     )

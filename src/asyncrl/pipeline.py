@@ -192,6 +192,7 @@ def cache_options(cfg: RunConfig, kind: str | None) -> dict[str, Any]:
 def check_build(cfg: RunConfig, models: ModelPaths) -> tuple[Any, str | None]:
     """Everything that can be checked before a process starts: names, pairings, capabilities."""
     from asyncrl.engines import ENGINES
+    from asyncrl.engines.base import SamplingParams
     from asyncrl.estimators import build as build_estimator
 
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
@@ -208,16 +209,17 @@ def check_build(cfg: RunConfig, models: ModelPaths) -> tuple[Any, str | None]:
             f"estimator {cfg.estimator.name!r} needs behavior MC samples: set sampling.mc_samples >= 1 "
             f"(e.g. sampling.mc_samples=8)"
         )
-    engine_cls = ENGINES.get(cfg.pipeline.engine)
-    if cfg.sampling.mc_samples > 0 and not getattr(engine_cls, "supports_mc", False):
-        raise ValueError(
-            f"engine {cfg.pipeline.engine!r} cannot draw exact MC proposals (sampling.mc_samples > 0); "
-            f"use engine=hf or an estimator that needs no behavior MC cache"
-        )
     if cfg.sampling.temperature == 0:
         raise ValueError(
             "sampling.temperature=0 is greedy; training needs a sampling distribution (e.g. 1.0)"
         )
+    # the engine decides what it can serve for this checkpoint (MC draws, kernels, its extra)
+    engine_cls = ENGINES.get(cfg.pipeline.engine)
+    engine_cls.check_supported(
+        models.student_dir if models is not None else None,
+        SamplingParams(**to_dict(cfg.sampling)),
+        **dict(cfg.pipeline.engine_options),
+    )
     if cfg.train.batch_size % cfg.pipeline.learner_workers:
         raise ValueError(
             f"train.batch_size={cfg.train.batch_size} must divide evenly over "
@@ -253,15 +255,39 @@ def init_ray(cfg: RunConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    env = dict(RAY_ENV)
+    from asyncrl.raysetup import runtime_env
+
+    env = runtime_env(dict(RAY_ENV), cfg.pipeline.data_tick_s)
     if cfg.pipeline.ray_address:
-        ray.init(address=cfg.pipeline.ray_address, runtime_env={"env_vars": env}, log_to_driver=True)
+        ray.init(address=cfg.pipeline.ray_address, runtime_env=env, log_to_driver=True)
     else:
         num_cpus = cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
-        ray.init(
-            num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True
-        )
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     return True
+
+
+def check_gpus(cfg: RunConfig, cluster_gpus: float) -> None:
+    """``pipeline.device=cuda``: the GPU shares the run reserves must fit the Ray cluster's GPUs
+    (else Ray would wait for them forever); checked once Ray is up, before any actor starts."""
+    pc = cfg.pipeline
+    if pc.device != "cuda":
+        return
+    if pc.learner_workers > 1 and pc.gpus_per_worker < 1:
+        raise ValueError(
+            f"pipeline.learner_workers={pc.learner_workers} with pipeline.gpus_per_worker="
+            f"{pc.gpus_per_worker:g}: Ray would pack several ranks onto one GPU, which NCCL refuses; "
+            f"use pipeline.gpus_per_worker=1 (one GPU per rank) or pipeline.learner_workers=1"
+        )
+    actors = pc.generators + (pc.teacher_scorers if cfg.algo == "opd" else 0)
+    need = pc.learner_workers * pc.gpus_per_worker + actors * pc.gpus_per_actor
+    if cluster_gpus + 1e-9 < need:
+        raise ValueError(
+            f"pipeline.device=cuda reserves {need:g} GPUs ({pc.learner_workers} learner worker(s) x "
+            f"gpus_per_worker={pc.gpus_per_worker:g} + {actors} actor(s) x gpus_per_actor="
+            f"{pc.gpus_per_actor:g}) but the Ray cluster has {cluster_gpus:g}: lower the shares "
+            f"(e.g. pipeline.gpus_per_worker=0.5 pipeline.gpus_per_actor=0.25 on one GPU) or use "
+            f"pipeline.device=cpu"
+        )
 
 
 def build_dataset(
@@ -286,11 +312,17 @@ def build_dataset(
     local = cfg.train.batch_size // pc.learner_workers
     ds = ray.data.from_arrow([_to_arrow(b) for b in blocks])
     sampling = to_dict(cfg.sampling)
+    # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
+    actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
+    engine_options = dict(pc.engine_options)
+    if pc.device == "cuda" and pc.engine == "hf":
+        engine_options.setdefault("device", "cuda")
     ds = ds.map_batches(
         Generate,
         batch_size=local,
         compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
         num_cpus=pc.cpus_per_actor,
+        num_gpus=actor_gpus,
         resources=dict(pc.generator_resources) or None,
         fn_constructor_kwargs=dict(
             engine=pc.engine,
@@ -302,7 +334,7 @@ def build_dataset(
             rpc_timeout_s=pc.rpc_timeout_s,
             admit_timeout_s=pc.no_progress_timeout_s,
             torch_threads=pc.torch_threads,
-            engine_options=dict(pc.engine_options),
+            engine_options=engine_options,
         ),
     )
     if cfg.algo == "opd":
@@ -315,6 +347,7 @@ def build_dataset(
                 task=cfg.workload.task,
                 seed=cfg.seed,
                 torch_threads=pc.torch_threads,
+                device=pc.device,
             ),
         )
     else:
@@ -324,6 +357,7 @@ def build_dataset(
         batch_size=local,
         compute=ray.data.ActorPoolStrategy(size=pc.teacher_scorers, max_tasks_in_flight_per_actor=1),
         num_cpus=pc.cpus_per_actor,
+        num_gpus=actor_gpus if cfg.algo == "opd" else None,  # the reward stage needs no GPU
         resources=dict(pc.scorer_resources) or None,
         fn_constructor_kwargs=kwargs,
     )
@@ -367,7 +401,9 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
     started = init_ray(cfg)
     namespace = ray.get_runtime_context().namespace
     store_name = f"asyncrl-store-{uuid.uuid4().hex[:8]}"
+    cuda = cfg.pipeline.device == "cuda"
     try:
+        check_gpus(cfg, float(ray.cluster_resources().get("GPU", 0.0)))
         store = PolicyStore.options(name=store_name).remote(cfg.pipeline.max_lag, cfg.train.batch_size)
         if resume_dir is not None and (resume_dir / "coordinator.json").exists():
             ray.get(store.load_state_dict.remote(json.loads((resume_dir / "coordinator.json").read_text())))
@@ -391,10 +427,13 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
             train_loop_config={"spec": spec},
             scaling_config=ScalingConfig(
                 num_workers=cfg.pipeline.learner_workers,
-                use_gpu=False,
-                resources_per_worker={"CPU": cfg.pipeline.cpus_per_worker},
+                use_gpu=cuda,
+                resources_per_worker={
+                    "CPU": cfg.pipeline.cpus_per_worker,
+                    **({"GPU": cfg.pipeline.gpus_per_worker} if cuda else {}),
+                },
             ),
-            torch_config=TorchConfig(backend="gloo"),
+            torch_config=TorchConfig(backend="nccl" if cuda else "gloo"),
             run_config=TrainRunConfig(
                 name="checkpoints", storage_path=str(run_dir), failure_config=FailureConfig(max_failures=0)
             ),

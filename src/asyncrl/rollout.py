@@ -41,7 +41,7 @@ def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Ten
         return x
     pad_shape = list(x.shape)
     pad_shape[1] = missing
-    return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype)], dim=1)
+    return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype, device=x.device)], dim=1)
 
 
 def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:

@@ -32,11 +32,13 @@ class ScoreTeacher:
         task: str,
         seed: int,
         torch_threads: int = 1,
+        device: str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(torch_threads)
-        self.model = AutoModelForCausalLM.from_pretrained(teacher_dir, local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(teacher_dir, local_files_only=True)
+        self.model = model.to(device).eval()  # score_teacher moves each batch to the model's device
         self.cache = CACHES.get(cache)(**cache_options)
         self.reward = ScoreReward(task=task, tokenizer_dir=teacher_dir)
         self.seed = seed
@@ -44,6 +46,7 @@ class ScoreTeacher:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if len(batch[R.SAMPLE_ID]) == 0:
             return batch
+        t0 = time.perf_counter()
         tensors = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
         scores = score_teacher(
             self.model, tensors, self.cache, seed=batch_seed(self.seed + 1, batch[R.SAMPLE_ID])
@@ -52,5 +55,6 @@ class ScoreTeacher:
         out.update(R.to_numpy(scores))
         out[R.REWARD] = self.reward.rewards(batch)
         out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
+        out["score_time_s"] = np.full(len(out[R.REWARD]), time.perf_counter() - t0, dtype=np.float64)
         out["score_done_at"] = np.full(len(out[R.REWARD]), time.time(), dtype=np.float64)
         return out

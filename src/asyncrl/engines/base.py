@@ -9,12 +9,15 @@ distribution (column 0 = the generated token) with their log-probabilities.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from asyncrl import records
 from asyncrl.configurable import check, field
 
 
@@ -55,6 +58,19 @@ class RolloutEngine(Protocol):
         """Build the engine from an HF checkpoint directory on local disk (how Ray actors build it)."""
         ...
 
+    @classmethod
+    def check_supported(cls, path: str | None, params: SamplingParams, **options: object) -> None:
+        """Raise ``ValueError`` (or ``ImportError`` naming the extra to install) if this engine,
+        built by ``from_pretrained(path, **options)``, could not serve ``params``; with ``path``
+        None (no checkpoint yet, e.g. ``asyncrl validate``) only the checks that need none.
+
+        Why: the pipeline calls it in the driver before any actor starts, so a pairing the
+        engine cannot serve (MC draws, a model its kernels lack) fails at build time with the
+        setting to change instead of inside a Ray actor minutes later. Cheap: it may read the
+        checkpoint's config but loads no weights.
+        """
+        ...
+
     @property
     def version(self) -> int: ...
 
@@ -68,3 +84,98 @@ class RolloutEngine(Protocol):
     ) -> dict[str, torch.Tensor]: ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """``path`` as a ``Path`` if it holds an HF checkpoint (``config.json``); else a clear error."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(p)!r} is not an HF checkpoint directory (no config.json); pass a directory "
+            f"written by save_pretrained, e.g. from `asyncrl pretrain`"
+        )
+    return p
+
+
+# --- shared by the engines: input checks and the output record -------------------------------------
+def check_version(version: int) -> int:
+    """``version`` as an int >= 0 (optimizer steps applied); bools and negatives are refused."""
+    try:
+        v = operator.index(version)
+    except TypeError:
+        v = -1
+    if isinstance(version, bool) or v < 0:
+        raise ValueError(f"version must be an int >= 0 (optimizer steps applied), got {version!r}")
+    return v
+
+
+def check_prompts(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    vocab_size: int | None,
+    max_len: tuple[str, int | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate left-padded prompts ``[B, P]`` for ``generate``; return ``(ids int64, mask bool)``.
+
+    Why here: every engine must refuse the same bad input with the same fix (right padding, empty
+    rows, ids outside ``[0, vocab_size)``, prompt + ``max_new_tokens`` over the context limit)
+    before any sampling starts. ``max_len`` is ``(its name in the error, its value)``; a value or
+    ``vocab_size`` of None skips that check (the model does not state it).
+    """
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be asyncrl.engines.SamplingParams, got {type(params).__name__}")
+    ids, mask = torch.as_tensor(prompt_ids), torch.as_tensor(prompt_mask)
+    if ids.dim() != 2 or ids.shape != mask.shape:
+        raise ValueError(
+            f"prompt_ids and prompt_mask must both be [B, P]; got {tuple(ids.shape)} and {tuple(mask.shape)}"
+        )
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"prompt_ids must be integer token ids, got dtype {ids.dtype}")
+    if ids.numel() == 0:
+        raise ValueError(f"prompt_ids is empty (shape {tuple(ids.shape)})")
+    mask = mask.bool()
+    empty = (~mask.any(1)).nonzero().flatten()
+    if len(empty):
+        raise ValueError(
+            f"prompt_mask rows {empty[:5].tolist()} have no valid token; every prompt needs >= 1"
+        )
+    if (mask[:, 1:].long() < mask[:, :-1].long()).any():
+        raise ValueError("prompts must be left-padded (mask 0...0 1...1 per row); use encode_prompts")
+    valid = ids[mask]
+    if vocab_size is not None and (int(valid.min()) < 0 or int(valid.max()) >= vocab_size):
+        raise ValueError(
+            f"prompt_ids has ids outside [0, vocab_size={vocab_size}) (min {int(valid.min())}, "
+            f"max {int(valid.max())}); encode with the model's own tokenizer"
+        )
+    longest, (limit_name, limit) = int(mask.sum(1).max()), max_len
+    if limit is not None and longest + params.max_new_tokens > limit:
+        raise ValueError(
+            f"longest prompt ({longest} tokens) + max_new_tokens={params.max_new_tokens} exceeds "
+            f"{limit_name}={limit}; shorten prompts or max_new_tokens"
+        )
+    return ids.long(), mask
+
+
+def pack_rollout(
+    draws: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor, *, version: int, mc_samples: int
+) -> dict[str, torch.Tensor]:
+    """Per-position draws -> the ``RolloutEngine.generate`` output dict.
+
+    ``draws`` [B, T, k] int64 and their ``logprobs`` [B, T, k] (log pi_b) with column 0 = the
+    generated token, ``k = max(mc_samples, 1)``; ``mask`` [B, T] bool. Padded slots must already
+    hold the pad id and log-prob 0. Column 0 becomes ``completion_ids``/``behavior_logprobs``;
+    for ``mc_samples > 0`` all k columns become ``mc_ids``/``mc_behavior_logprobs``; every token
+    is stamped with ``version`` (one call = one set of weights).
+    """
+    B, T = mask.shape
+    out = {
+        records.COMPLETION_IDS: draws[..., 0].contiguous(),
+        records.COMPLETION_MASK: mask.contiguous(),
+        records.BEHAVIOR_LOGPROBS: logprobs[..., 0].contiguous(),
+        records.TOKEN_VERSIONS: torch.full((B, T), int(version), dtype=torch.int32, device=mask.device),
+    }
+    if mc_samples > 0:
+        out[records.MC_IDS] = draws.contiguous()
+        out[records.MC_BEHAVIOR_LOGPROBS] = logprobs.contiguous()
+    return out

@@ -21,7 +21,6 @@ Per step ``t`` with logits ``z_t`` [B, V]:
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from asyncrl import records
-from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
 
 
 class HFEngine:
@@ -65,7 +64,7 @@ class HFEngine:
         )
         self.eos_id: int = self.eos_ids[0]
         self.pad_id: int = int(pad_id) if pad_id is not None else self.eos_id
-        self._version = _check_version(version)
+        self._version = check_version(version)
         params = inspect.signature(model.forward).parameters
         # transformers >= 5.2x renamed the KV-cache kwarg ``past_key_values`` -> ``cache``
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -93,12 +92,7 @@ class HFEngine:
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        p = Path(path)
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{str(p)!r} is not an HF checkpoint directory (no config.json); pass a directory "
-                f"written by save_pretrained, e.g. from `asyncrl pretrain`"
-            )
+        p = checkpoint_dir(path)
         if torch_threads is not None:
             torch.set_num_threads(int(torch_threads))
         torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
@@ -116,6 +110,13 @@ class HFEngine:
             ) from err
         return cls(model, tokenizer, version=version)
 
+    @classmethod
+    def check_supported(cls, path: str | Path | None, params: SamplingParams, **options: Any) -> None:
+        """HFEngine serves every ``SamplingParams`` (exact MC draws included) for any causal LM
+        checkpoint; only the directory itself is checked here (``RolloutEngine.check_supported``)."""
+        if path is not None:
+            checkpoint_dir(path)
+
     # --- versioned weights ---------------------------------------------------------------
     @property
     def version(self) -> int:
@@ -127,7 +128,7 @@ class HFEngine:
         Keys must match the model's; only tied weights (e.g. ``lm_head.weight`` tied to the
         embedding) may be absent.
         """
-        version = _check_version(version)
+        version = check_version(version)
         sd = {(k[7:] if k.startswith("module.") else k): v for k, v in state_dict.items()}
         result = self.model.load_state_dict(sd, strict=False)
         tied = _tied_keys(self.model)
@@ -160,7 +161,8 @@ class HFEngine:
         (padding included). Padded positions hold the pad id and log-probability 0.
         """
         device = _device_of(self.model)
-        prompt_ids, prompt_mask = self._check_prompts(prompt_ids, prompt_mask, params)
+        limit = ("the model's max_position_embeddings", self.max_positions)
+        prompt_ids, prompt_mask = check_prompts(prompt_ids, prompt_mask, params, self.vocab_size, limit)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         B, P = prompt_ids.shape
         N, m = params.max_new_tokens, params.mc_samples
@@ -172,7 +174,6 @@ class HFEngine:
         eos = torch.tensor(self.eos_ids, device=device)
         gen = torch.Generator(device=device).manual_seed(int(seed))
 
-        ids = torch.full((B, N), self.pad_id, dtype=torch.int64, device=device)
         mask = torch.zeros((B, N), dtype=torch.bool, device=device)
         draws_out = torch.full((B, N, k), self.pad_id, dtype=torch.int64, device=device)
         logp_out = torch.zeros((B, N, k), dtype=torch.float32, device=device)
@@ -187,7 +188,6 @@ class HFEngine:
             draws = torch.where(live[:, None], draws, self.pad_id)
             draws_out[:, t] = draws
             logp_out[:, t] = torch.where(live[:, None], logp, 0.0)
-            ids[:, t] = draws[:, 0]
             mask[:, t] = live
             finished = finished | torch.isin(draws[:, 0], eos)
             T = t + 1
@@ -195,16 +195,9 @@ class HFEngine:
                 break
             logits = self._step(draws[:, :1], attn[:, : P + t + 1], n_prompt + t, cache)
 
-        out = {
-            records.COMPLETION_IDS: ids[:, :T].contiguous(),
-            records.COMPLETION_MASK: mask[:, :T].contiguous(),
-            records.BEHAVIOR_LOGPROBS: logp_out[:, :T, 0].contiguous(),
-            records.TOKEN_VERSIONS: torch.full((B, T), self._version, dtype=torch.int32, device=device),
-        }
-        if m > 0:
-            out[records.MC_IDS] = draws_out[:, :T].contiguous()
-            out[records.MC_BEHAVIOR_LOGPROBS] = logp_out[:, :T].contiguous()
-        return out
+        return pack_rollout(
+            draws_out[:, :T], logp_out[:, :T], mask[:, :T], version=self._version, mc_samples=m
+        )
 
     def _step(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
@@ -215,43 +208,6 @@ class HFEngine:
             kw["logits_to_keep"] = 1
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
         return out.logits[:, -1].float()
-
-    def _check_prompts(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be asyncrl.engines.SamplingParams, got {type(params).__name__}")
-        prompt_ids, prompt_mask = torch.as_tensor(prompt_ids), torch.as_tensor(prompt_mask)
-        if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
-            raise ValueError(
-                f"prompt_ids and prompt_mask must both be [B, P]; got {tuple(prompt_ids.shape)} and "
-                f"{tuple(prompt_mask.shape)}"
-            )
-        if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
-            raise ValueError(f"prompt_ids must be integer token ids, got dtype {prompt_ids.dtype}")
-        if prompt_ids.shape[0] == 0 or prompt_ids.shape[1] == 0:
-            raise ValueError(f"prompt_ids is empty (shape {tuple(prompt_ids.shape)})")
-        mask = prompt_mask.bool()
-        empty = (~mask.any(1)).nonzero().flatten()
-        if len(empty):
-            raise ValueError(
-                f"prompt_mask rows {empty[:5].tolist()} have no valid token; every prompt needs >= 1"
-            )
-        if (mask[:, 1:].long() < mask[:, :-1].long()).any():
-            raise ValueError("prompts must be left-padded (mask 0...0 1...1 per row); use encode_prompts")
-        if self.vocab_size is not None and int(prompt_ids[mask].max()) >= self.vocab_size:
-            raise ValueError(
-                f"prompt_ids has id {int(prompt_ids[mask].max())} >= the model's vocab_size "
-                f"{self.vocab_size}; "
-                f"encode with the model's own tokenizer"
-            )
-        longest = int(mask.sum(1).max())
-        if self.max_positions is not None and longest + params.max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"longest prompt ({longest} tokens) + max_new_tokens={params.max_new_tokens} exceeds the "
-                f"model's max_position_embeddings={self.max_positions}; shorten prompts or max_new_tokens"
-            )
-        return prompt_ids.long(), mask
 
 
 def _draw(logits: torch.Tensor, temperature: float, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -296,13 +252,3 @@ def _device_of(model: torch.nn.Module) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:
         return torch.device("cpu")
-
-
-def _check_version(version: int) -> int:
-    try:
-        v = operator.index(version)
-    except TypeError:
-        v = -1
-    if isinstance(version, bool) or v < 0:
-        raise ValueError(f"version must be an int >= 0 (optimizer steps applied), got {version!r}")
-    return v

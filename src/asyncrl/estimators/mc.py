@@ -9,29 +9,28 @@ weighting (ρ = π_θ/π_b) and recompute, however stale the draws are ("MC-corr
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from asyncrl import records as R
 from asyncrl.configurable import check, field
-from asyncrl.estimators.base import ESTIMATORS, EstimatorOutput, bind_config
-from asyncrl.estimators.columns import check_inputs, fill_padding
+from asyncrl.estimators.base import ESTIMATORS
+from asyncrl.estimators.columns import fill_padding
 from asyncrl.estimators.functional import (
     forward_kl_mc_from_logprobs,
-    gather_logprobs,
     importance_log_ratio,
     reverse_kl_mc_from_logprobs,
     reverse_kl_stratified_from_logprobs,
 )
 from asyncrl.estimators.reduction import (
+    EstimatorInputs,
     EstimatorOptions,
-    check_token_weights,
+    TokenLoss,
+    TokenLossEstimator,
     masked_max,
     masked_mean,
-    reduce_loss,
 )
 
 
@@ -98,7 +97,7 @@ class ReverseKLMCOptions(EstimatorOptions):
 
 
 @ESTIMATORS.register("reverse_kl_mc")
-class ReverseKLMC:
+class ReverseKLMC(TokenLossEstimator):
     """E5/E6 (default): ``KL(π_θ‖p)`` from m draws of the behavior policy, importance-weighted.
 
     - Estimand: ``∇RKL(s)`` (pg form) or ``RKL(s)`` and its gradient (value form) at the current
@@ -118,35 +117,26 @@ class ReverseKLMC:
     name = "reverse_kl_mc"
     Config = ReverseKLMCOptions
 
-    def __init__(self, config: ReverseKLMCOptions | None = None, **options: Any) -> None:
-        self.config = bind_config(self.Config, config, options)
-        self.cache_kind: str | None = "behavior_mc" if self.config.source == "mc" else "token"
+    @property
+    def cache_kind(self) -> str | None:
+        return "behavior_mc" if self.config.source == "mc" else "token"
 
     def required_columns(self) -> frozenset[str]:
         if self.config.source == "mc":
             return frozenset({R.COMPLETION_MASK, R.MC_IDS, R.MC_BEHAVIOR_LOGPROBS, R.TEACHER_MC_LOGPROBS})
         return frozenset({R.COMPLETION_MASK, R.COMPLETION_IDS, R.BEHAVIOR_LOGPROBS, R.TEACHER_TOKEN_LOGPROBS})
 
-    def __call__(
-        self,
-        student_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        token_weights: torch.Tensor | None = None,
-    ) -> EstimatorOutput:
-        cfg = self.config
-        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
-        mask = batch[R.COMPLETION_MASK].bool()
-        check_token_weights(token_weights, mask)
+    def token_loss(self, x: EstimatorInputs) -> TokenLoss:
+        cfg, batch, mask = self.config, x.batch, x.mask
         if cfg.source == "mc":
             ids, lb, lp = batch[R.MC_IDS], batch[R.MC_BEHAVIOR_LOGPROBS], batch[R.TEACHER_MC_LOGPROBS]
             if cfg.loo_baseline and ids.shape[-1] < 2:
                 raise ValueError(f"{self.name}: loo_baseline needs m >= 2 columns in {R.MC_IDS!r}")
-        else:
-            ids = batch[R.COMPLETION_IDS].unsqueeze(-1)
+            lq = x.logprobs_at(ids)  # [B, T, m]
+        else:  # m = 1: the generated token, whose log π_θ the caller may have gathered already
+            lq = x.generated_logprobs().unsqueeze(-1)
             lb = batch[R.BEHAVIOR_LOGPROBS].unsqueeze(-1)
             lp = batch[R.TEACHER_TOKEN_LOGPROBS].unsqueeze(-1)
-        lq = gather_logprobs(student_logits, ids.long(), chunk_size=cfg.chunk_size)  # [B, T, m]
         lb = fill_padding(lb.to(lq.dtype), mask, 0.0)
         lp = fill_padding(lp.to(lq.dtype), mask, 0.0)
         per_token = reverse_kl_mc_from_logprobs(
@@ -158,9 +148,6 @@ class ReverseKLMC:
             clip_eps=cfg.clip_eps,
             loo_baseline=cfg.loo_baseline,
         )
-        loss, per_sample = reduce_loss(
-            per_token, mask, token_weights=token_weights, aggregation=cfg.aggregation
-        )
         with torch.no_grad():
             lqd = lq.detach()
             log_rho = importance_log_ratio(lqd, lb)
@@ -171,7 +158,7 @@ class ReverseKLMC:
                 rho = log_rho.exp()
                 clipped = ((adv > 0) & (rho > 1 + cfg.clip_eps)) | ((adv < 0) & (rho < 1 - cfg.clip_eps))
                 metrics["est/clip_frac"] = masked_mean(clipped.to(lqd.dtype), mask)
-        return EstimatorOutput(loss=loss, metrics=metrics, per_sample={"loss": per_sample})
+        return TokenLoss(per_token, metrics)
 
 
 @dataclass(frozen=True)
@@ -180,7 +167,7 @@ class ForwardKLMCOptions(EstimatorOptions):
 
 
 @ESTIMATORS.register("forward_kl_mc")
-class ForwardKLMC:
+class ForwardKLMC(TokenLossEstimator):
     """E8: ``KL(p‖π_θ)`` from m draws of the teacher made at scoring time.
 
     - Estimand: ``FKL(s)`` and its gradient ``π_θ − p``.
@@ -195,34 +182,19 @@ class ForwardKLMC:
     Config = ForwardKLMCOptions
     cache_kind: str | None = "teacher_mc"
 
-    def __init__(self, config: ForwardKLMCOptions | None = None, **options: Any) -> None:
-        self.config = bind_config(self.Config, config, options)
-
     def required_columns(self) -> frozenset[str]:
         return frozenset({R.COMPLETION_MASK, R.TEACHER_MC_IDS, R.TEACHER_MC_LOGPROBS})
 
-    def __call__(
-        self,
-        student_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        token_weights: torch.Tensor | None = None,
-    ) -> EstimatorOutput:
-        cfg = self.config
-        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
-        mask = batch[R.COMPLETION_MASK].bool()
-        check_token_weights(token_weights, mask)
-        lq = gather_logprobs(student_logits, batch[R.TEACHER_MC_IDS].long(), chunk_size=cfg.chunk_size)
-        lp = fill_padding(batch[R.TEACHER_MC_LOGPROBS].to(lq.dtype), mask, 0.0)
+    def token_loss(self, x: EstimatorInputs) -> TokenLoss:
+        mask = x.mask
+        lq = x.logprobs_at(x.batch[R.TEACHER_MC_IDS])  # [B, T, m]
+        lp = fill_padding(x.batch[R.TEACHER_MC_LOGPROBS].to(lq.dtype), mask, 0.0)
         per_token = forward_kl_mc_from_logprobs(lq, lp)
-        loss, per_sample = reduce_loss(
-            per_token, mask, token_weights=token_weights, aggregation=cfg.aggregation
-        )
         metrics = {
             "est/kl_value": masked_mean(per_token, mask),
             "est/student_logprob": masked_mean(lq.mean(-1), mask),
         }
-        return EstimatorOutput(loss=loss, metrics=metrics, per_sample={"loss": per_sample})
+        return TokenLoss(per_token, metrics)
 
 
 @dataclass(frozen=True)
@@ -231,7 +203,7 @@ class ReverseKLStratifiedOptions(EstimatorOptions):
 
 
 @ESTIMATORS.register("reverse_kl_stratified")
-class ReverseKLStratified:
+class ReverseKLStratified(TokenLossEstimator):
     """E7: ``KL(π_θ‖p)`` as an exact sum on the teacher's top-k plus an importance-sampled tail.
 
     - Estimand: ``RKL(s)`` and its gradient, ``L = Σ_{y∈S} π_θ l_θ + (1/m) Σ_j 1[y_j ∉ S] ρ_j l_θ(y_j)``.
@@ -248,9 +220,6 @@ class ReverseKLStratified:
     Config = ReverseKLStratifiedOptions
     cache_kind: str | None = "topk_behavior_mc"
 
-    def __init__(self, config: ReverseKLStratifiedOptions | None = None, **options: Any) -> None:
-        self.config = bind_config(self.Config, config, options)
-
     def required_columns(self) -> frozenset[str]:
         return frozenset(
             {
@@ -263,34 +232,22 @@ class ReverseKLStratified:
             }
         )
 
-    def __call__(
-        self,
-        student_logits: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        *,
-        token_weights: torch.Tensor | None = None,
-    ) -> EstimatorOutput:
-        cfg = self.config
-        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
-        mask = batch[R.COMPLETION_MASK].bool()
-        check_token_weights(token_weights, mask)
+    def token_loss(self, x: EstimatorInputs) -> TokenLoss:
+        batch, mask = x.batch, x.mask
         support = batch[R.TEACHER_TOPK_IDS].long()
         samples = batch[R.MC_IDS].long()
         k = support.shape[-1]
-        lq = gather_logprobs(student_logits, torch.cat([support, samples], -1), chunk_size=cfg.chunk_size)
+        lq = x.logprobs_at(torch.cat([support, samples], -1))  # [B, T, k + m]
         lq_s, lq_y = lq[..., :k], lq[..., k:]
         lp_s = fill_padding(batch[R.TEACHER_TOPK_LOGPROBS].to(lq.dtype), mask, -math.log(k + 1))
         lb_y = fill_padding(batch[R.MC_BEHAVIOR_LOGPROBS].to(lq.dtype), mask, 0.0)
         lp_y = fill_padding(batch[R.TEACHER_MC_LOGPROBS].to(lq.dtype), mask, 0.0)
         in_support = (samples.unsqueeze(-1) == support.unsqueeze(-2)).any(-1)  # [B, T, m]
         per_token = reverse_kl_stratified_from_logprobs(lq_s, lp_s, lq_y, lb_y, lp_y, in_support)
-        loss, per_sample = reduce_loss(
-            per_token, mask, token_weights=token_weights, aggregation=cfg.aggregation
-        )
         with torch.no_grad():
             metrics = _ratio_metrics(importance_log_ratio(lq_y.detach(), lb_y), mask, valid=~in_support)
             metrics["est/teacher_mass"] = masked_mean(torch.logsumexp(lp_s, -1).exp(), mask)
             metrics["est/student_mass"] = masked_mean(torch.logsumexp(lq_s.detach(), -1).exp(), mask)
             metrics["est/tail_sample_frac"] = masked_mean((~in_support).to(lq.dtype), mask)
             metrics["est/kl_value"] = masked_mean(per_token, mask)
-        return EstimatorOutput(loss=loss, metrics=metrics, per_sample={"loss": per_sample})
+        return TokenLoss(per_token, metrics)

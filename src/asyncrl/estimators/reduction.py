@@ -2,17 +2,24 @@
 
 Why one place: every estimator must mask padding the same way, multiply the controllers'
 detached token weights the same way and normalise by the same count, or two estimators with
-"the same" loss would train at different effective learning rates.
+"the same" loss would train at different effective learning rates. ``TokenLossEstimator`` is
+the built-in estimators' shared call around that reduction (check, per-position loss, reduce).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from dataclasses import field as dc_field
+from typing import Any, Literal
 
 import torch
 
+from asyncrl import records as R
 from asyncrl.configurable import check, field
+from asyncrl.estimators.base import EstimatorOutput, bind_config
+from asyncrl.estimators.columns import check_inputs, check_token_logprobs
+from asyncrl.estimators.functional import gather_logprobs
 
 Aggregation = Literal["token_mean", "seq_mean"]
 
@@ -101,3 +108,80 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
         m = m.unsqueeze(-1)
     vals = x.detach()[m.expand_as(x)]
     return float(vals.max()) if vals.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """One estimator call's checked inputs: ``student_logits`` [B, T, V] aligned to completion
+    tokens, the record ``batch``, ``mask`` [B, T] (bool completion mask) and the caller's
+    precomputed ``token_logprobs`` [B, T] (or None); ``chunk_size`` from the estimator's options."""
+
+    student_logits: torch.Tensor
+    batch: Mapping[str, torch.Tensor]
+    mask: torch.Tensor
+    token_logprobs: torch.Tensor | None
+    chunk_size: int
+
+    def logprobs_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """``log π_θ`` at ``ids`` [B, T, K] -> [B, T, K] (differentiable, chunked log-softmax)."""
+        return gather_logprobs(self.student_logits, ids.long(), chunk_size=self.chunk_size)
+
+    def generated_logprobs(self) -> torch.Tensor:
+        """``log π_θ(y_t)`` [B, T] at ``completion_ids``: the caller's ``token_logprobs`` when given
+        (the learner gathers it once per step for its controllers too), else gathered here."""
+        if self.token_logprobs is not None:
+            return self.token_logprobs
+        return self.logprobs_at(self.batch[R.COMPLETION_IDS])
+
+
+@dataclass
+class TokenLoss:
+    """What an estimator body returns before the shared reduction: the per-position loss
+    ``per_token`` [B, T], detached ``metrics`` and extra detached per-sample [B] tensors."""
+
+    per_token: torch.Tensor
+    metrics: dict[str, float] = dc_field(default_factory=dict)
+    per_sample: dict[str, torch.Tensor] = dc_field(default_factory=dict)
+
+
+class TokenLossEstimator:
+    """Shared body of the built-in estimators (``Estimator`` protocol): bind the ``Config``, check
+    the columns, token weights and ``token_logprobs``, compute the per-position loss
+    (``token_loss``), reduce it with ``reduce_loss`` and return ``EstimatorOutput`` with the
+    per-sample ``"loss"``. A subclass states only its columns and its ``token_loss``.
+    """
+
+    name: str  # and ``cache_kind`` (a class attribute or a property of the config)
+    Config: type[EstimatorOptions] = EstimatorOptions
+
+    def __init__(self, config: EstimatorOptions | None = None, **options: Any) -> None:
+        self.config: Any = bind_config(self.Config, config, options)
+
+    def required_columns(self) -> frozenset[str]:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        student_logits: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        token_weights: torch.Tensor | None = None,
+        token_logprobs: torch.Tensor | None = None,
+    ) -> EstimatorOutput:
+        """See ``Estimator.__call__``."""
+        check_inputs(self.name, student_logits, batch, sorted(self.required_columns()))
+        mask = batch[R.COMPLETION_MASK].bool()
+        check_token_weights(token_weights, mask)
+        check_token_logprobs(self.name, token_logprobs, student_logits, mask)
+        x = EstimatorInputs(student_logits, batch, mask, token_logprobs, self.config.chunk_size)
+        out = self.token_loss(x)
+        loss, per_sample = reduce_loss(
+            out.per_token, mask, token_weights=token_weights, aggregation=self.config.aggregation
+        )
+        return EstimatorOutput(
+            loss=loss, metrics=out.metrics, per_sample={"loss": per_sample, **out.per_sample}
+        )
+
+    def token_loss(self, x: EstimatorInputs) -> TokenLoss:
+        """The per-position loss [B, T] and metrics from checked inputs."""
+        raise NotImplementedError
