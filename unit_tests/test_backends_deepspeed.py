@@ -160,3 +160,26 @@ def test_refuses_what_zero_cannot_do():
         backend.load_state_dict({**state, "world": 2})
     with pytest.raises(ValueError, match="zero_stage"):
         ds_backend(tc, stage=3)
+
+
+def test_published_weights_are_compact_copies_of_zero_views():
+    """ZeRO keeps parameters as views of a flat buffer; what the learner publishes must pickle (as
+    the Ray object store does) to about the parameters' own bytes, not once per view the whole
+    buffer, and equal them."""
+    import pickle
+
+    from asyncrl.learner import publishable_state
+
+    backend = ds_backend(TrainConfig(lr=1e-3, warmup_steps=0))
+    state = backend.module.state_dict()
+    own_bytes = sum(v.numel() * v.element_size() for v in state.values())
+
+    def pickled(sd) -> int:
+        return len(pickle.dumps(sd))
+
+    published = publishable_state(backend.module)
+    assert published.keys() == state.keys()
+    assert all(torch.equal(published[k], state[k]) and published[k].device.type == "cpu" for k in state)
+    assert pickled(published) < 1.2 * own_bytes + 100_000
+    # the guard is needed: the raw state dict's views carry their flat buffer along
+    assert pickled({k: v.detach() for k, v in state.items()}) > 3 * own_bytes

@@ -81,7 +81,8 @@ class GradientAlignment:
 
     def _dots(self, grads: Sequence[torch.Tensor]) -> tuple[float, float, float]:
         assert self.reference is not None
-        acc = torch.zeros(3, dtype=torch.float64)
+        device = self.reference[0].device if self.reference else torch.device("cpu")
+        acc = torch.zeros(3, dtype=torch.float64, device=device)  # NCCL reduces CUDA tensors only
         for g, r in zip(grads, self.reference):
             gf = g.detach().reshape(-1).to(r.dtype)
             rf = r.reshape(-1)

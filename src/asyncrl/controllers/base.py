@@ -100,11 +100,11 @@ class StepContext:
         this process's own. For users' own loops and tests; the learner gathers them over DP
         ranks instead. ``token_versions`` defaults to ``step - lag`` for every token."""
         mask = mask.bool()
-        lags = torch.as_tensor(lags, dtype=torch.long)
+        lags = torch.as_tensor(lags, dtype=torch.long, device=mask.device)
         if token_versions is None:
             token_versions = (step - lags)[:, None].expand(mask.shape)
         if group_ids is None:
-            group_ids = torch.arange(mask.shape[0])
+            group_ids = torch.arange(mask.shape[0], device=mask.device)
         diff = logprobs.detach() - behavior_logprobs.detach()
         log_ratio = torch.where(mask, diff, torch.zeros_like(diff))
         return cls(

@@ -163,21 +163,20 @@ def ess_partials(log_weights: torch.Tensor) -> torch.Tensor:
     """
     lw = _check_log_weights(log_weights, "ess_partials")
     if lw.numel() == 0:
-        return torch.tensor([-math.inf, 0.0, 0.0, 0.0], dtype=torch.float64)
+        return torch.tensor([-math.inf, 0.0, 0.0, 0.0], dtype=torch.float64, device=lw.device)
     m = lw.max()
     if m == -math.inf:
-        return torch.tensor([-math.inf, 0.0, 0.0, float(lw.numel())], dtype=torch.float64)
+        return torch.tensor([-math.inf, 0.0, 0.0, float(lw.numel())], dtype=torch.float64, device=lw.device)
     z = lw - m
-    return torch.stack(
-        [m, z.exp().sum(), (2 * z).exp().sum(), torch.tensor(float(lw.numel()), dtype=torch.float64)]
-    )
+    n = torch.tensor(float(lw.numel()), dtype=torch.float64, device=lw.device)
+    return torch.stack([m, z.exp().sum(), (2 * z).exp().sum(), n])
 
 
 def rescale_partials(partials: torch.Tensor, m_global: torch.Tensor | float) -> torch.Tensor:
     """Re-express one shard's ``[m, s1, s2, n]`` relative to the global max ``m_global``."""
     m, s1, s2, n = partials.unbind(-1)
-    mg = torch.as_tensor(m_global, dtype=torch.float64)
-    d = torch.where(torch.isfinite(m), m - mg, torch.tensor(-math.inf, dtype=torch.float64))
+    mg = torch.as_tensor(m_global, dtype=torch.float64, device=partials.device)
+    d = torch.where(torch.isfinite(m), m - mg, -math.inf)
     return torch.stack([mg, s1 * d.exp(), s2 * (2 * d).exp(), n])
 
 
