@@ -176,3 +176,29 @@ def test_deterministic_given_seed():
     a, b, c = simulate(cfg), simulate(cfg), simulate(cfg, seed=8)
     assert all(np.array_equal(a.trace[k], b.trace[k], equal_nan=True) for k in a.trace)
     assert not np.array_equal(a.trace["t_done"], c.trace["t_done"], equal_nan=True)
+
+
+def test_a_retried_block_keeps_its_admission_and_takes_no_budget():
+    """A generator that died after admission is re-run by Ray Data with the same block key: the
+    retry gets its ticket back; without keys the dead attempt's budget would never come back."""
+    b = AdmissionBudget(max_lag=0, batch_size=4)
+    t = b.try_acquire(4, 0, key=100)
+    assert t == 0 and b.in_flight == 4
+    assert b.try_acquire(4, 0, key=200) is None  # lock-step: the budget is full
+    assert b.try_acquire(4, 0, key=100) == t  # the retry
+    assert b.in_flight == 4 and b.dispatched == 4 and b.counters()["retries"] == 1
+    b.set_version(1)
+    b.on_consumed(4, 0)  # the retry's output is consumed once
+    assert b.try_acquire(4, 1, key=200) == 1 and b.in_flight == 4
+    unkeyed = AdmissionBudget(max_lag=0, batch_size=4)
+    unkeyed.try_acquire(4, 0)
+    assert unkeyed.try_acquire(4, 0) is None  # without a key a retry would wait forever
+
+
+def test_restored_budget_forgets_block_keys():
+    b = AdmissionBudget(max_lag=1, batch_size=4)
+    b.try_acquire(4, 0, key=7)
+    restored = AdmissionBudget(max_lag=1, batch_size=4)
+    restored.load_state_dict(b.state_dict())  # the block in flight is counted lost, regenerated
+    assert restored.in_flight == 0
+    assert restored.try_acquire(4, 0, key=7) == 1 and restored.in_flight == 4

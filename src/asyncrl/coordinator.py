@@ -45,14 +45,17 @@ class PolicyStore:
         self.closed = False
         self._wait_s = 0.0
 
-    async def acquire(self, n: int) -> tuple[int, int] | None:
-        """Block until ``n`` samples may start; return (ticket, version) or None once closed."""
+    async def acquire(self, n: int, key: int | None = None) -> tuple[int, int] | None:
+        """Block until ``n`` samples may start; return (ticket, version) or None once closed.
+
+        ``key`` names the input block: a retry of an admitted block (its actor died and Ray Data
+        re-ran it) gets the same ticket back at once and takes no new budget."""
         t0 = time.perf_counter()
         while True:
             if self.closed:
                 return None
             if self.version >= 0:
-                ticket = self.budget.try_acquire(n, self.version)
+                ticket = self.budget.try_acquire(n, self.version, key=key)
                 if ticket is not None:
                     self._wait_s += time.perf_counter() - t0
                     return ticket, self.version
@@ -125,9 +128,10 @@ class PolicyStoreClient:
         except ray.exceptions.RayActorError as err:
             raise CoordinatorError(f"PolicyStore.{method} failed: the store actor died ({err})") from err
 
-    def acquire(self, n: int, timeout_s: float) -> tuple[int, int] | None:
-        """Waits for admission; ``timeout_s`` bounds a stalled learner (pipeline.no_progress_timeout_s)."""
-        return self._call("acquire", n, timeout_s=timeout_s)
+    def acquire(self, n: int, timeout_s: float, key: int | None = None) -> tuple[int, int] | None:
+        """Waits for admission; ``timeout_s`` bounds a stalled learner (pipeline.no_progress_timeout_s).
+        ``key`` identifies the input block, so a retried block keeps its admission."""
+        return self._call("acquire", n, key, timeout_s=timeout_s)
 
     def publish(self, state_dict: dict[str, Any], version: int) -> None:
         self._call("publish", [ray.put(state_dict)], version)

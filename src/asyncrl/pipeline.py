@@ -503,6 +503,8 @@ def summarize(
         "admission_wait_s": store_stats.get("admission_wait_s"),
         # samples that were in flight when the run was last checkpointed and had to be generated again
         "in_flight_regenerated_on_resume": store_stats.get("budget/lost", 0),
+        # blocks re-run after their generator died (they kept their admission: no budget leaked)
+        "generation_retries": store_stats.get("budget/retries", 0),
         "run_dir": str(run_dir),
     }
 

@@ -9,7 +9,9 @@ batch is reproducible regardless of which actor runs it or when.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,6 +52,21 @@ def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[
     return {k: pad_to(v, length, fill.get(k, 0.0)) for k, v in out.items()}
 
 
+#: fault injection for tests: "<marker path>:<k>" makes the generator process exit right after its
+#: k-th admission (1-based), once per marker file, as an OOM kill or engine crash would
+CRASH_ENV = "ASYNCRL_INJECT_GENERATOR_CRASH"
+
+
+def _crash_if_injected(admissions: int) -> None:
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return
+    marker, k = spec.rsplit(":", 1)
+    if admissions == int(k) and not Path(marker).exists():
+        Path(marker).touch()
+        os._exit(1)
+
+
 class Generate:
     """Ray Data actor UDF holding one rollout engine for the actor's lifetime."""
 
@@ -74,6 +91,7 @@ class Generate:
         self.seed = seed
         self.admit_timeout_s = admit_timeout_s
         self.have_version = -1
+        self.admissions = 0
 
     def _sync_weights(self) -> None:
         version, state = self.store.latest(self.have_version)
@@ -84,10 +102,15 @@ class Generate:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch[R.SAMPLE_ID])
         t_wait = time.perf_counter()
-        admitted = self.store.acquire(n, timeout_s=self.admit_timeout_s)
+        # keyed by the block's first sample id: if this actor dies and Ray Data retries the block
+        # on a restarted actor, the retry reuses the block's admission instead of leaking budget
+        key = int(np.min(batch[R.SAMPLE_ID]))
+        admitted = self.store.acquire(n, timeout_s=self.admit_timeout_s, key=key)
         if admitted is None:  # the run finished while we waited: emit nothing
             return {k: v[:0] for k, v in batch.items()}
         ticket, _ = admitted
+        self.admissions += 1
+        _crash_if_injected(self.admissions)
         t_start = time.perf_counter()
         self._sync_weights()
         out = self.engine.generate(

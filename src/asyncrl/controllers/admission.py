@@ -13,6 +13,11 @@ an optional controller chain's ``admit`` says no.
 
 Counters obey ``dispatched = trained + dropped + lost + in_flight``; ``lost`` counts samples
 that were in flight when a checkpoint was restored (the caller regenerates them).
+
+Requests may carry a ``key`` naming their input block. A second request with an admitted key
+is a retry (the generator died after admission and the engine re-ran the block on a restarted
+actor): it gets its ticket back and takes no new budget. Without this a dead attempt's budget
+stays in flight forever, which at S = 0 stalls the lock-step pipeline.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class AdmissionBudget:
         self.dropped = 0
         self.lost = 0
         self.next_ticket = 0
+        self.admitted: dict[int, int] = {}  # block key -> ticket
+        self.retries = 0
 
     @property
     def capacity(self) -> int:
@@ -54,11 +61,15 @@ class AdmissionBudget:
     def available(self) -> int:
         return self.capacity - self.in_flight
 
-    def try_acquire(self, n: int, learner_version: int) -> int | None:
+    def try_acquire(self, n: int, learner_version: int, key: int | None = None) -> int | None:
         """Admit ``n`` samples generated with weights ``learner_version``; return a ticket or None.
 
-        The ticket is the index of this generation batch (0, 1, 2, ... in admission order).
+        The ticket is the index of this generation batch (0, 1, 2, ... in admission order). A
+        ``key`` already admitted returns its ticket again without taking budget (a retry).
         """
+        if key is not None and key in self.admitted:
+            self.retries += 1
+            return self.admitted[key]
         if n < 1:
             raise ValueError(f"n must be >= 1 sample, got {n}")
         if n > self.capacity:
@@ -80,6 +91,8 @@ class AdmissionBudget:
         self.dispatched += n
         ticket = self.next_ticket
         self.next_ticket += 1
+        if key is not None:
+            self.admitted[key] = ticket
         return ticket
 
     def set_version(self, version: int) -> None:
@@ -110,6 +123,7 @@ class AdmissionBudget:
             "lost": self.lost,
             "in_flight": self.in_flight,
             "capacity": self.capacity,
+            "retries": self.retries,
         }
 
     def metrics(self) -> dict[str, float]:
@@ -145,3 +159,4 @@ class AdmissionBudget:
         self.lost = int(state.get("lost", 0))
         self.next_ticket = int(state.get("next_ticket", 0))
         self.lost += self.in_flight  # in_flight := 0
+        self.admitted = {}  # blocks in flight at save time are regenerated under fresh admissions
