@@ -21,8 +21,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl import engines as asyncrl_engines
 from asyncrl import records
-from asyncrl.engines import ENGINES, SamplingParams
+from asyncrl.engines import ENGINES, EngineDeadError, SamplingParams
 from asyncrl.engines.vllm import INSTALL_HINT, VLLMEngine, pack_completions, request_seeds
 from asyncrl.engines.vllm_worker import (
     RELOAD_METHOD,
@@ -287,7 +288,7 @@ def test_load_weights_times_out_and_disables_the_engine():
     eng, llm = make_engine(reload_timeout_s=0.2)
     llm.rpc_delay = 1.0
     t0 = time.perf_counter()
-    with pytest.raises(TimeoutError, match=r"reload_timeout_s=0.2s.*from_pretrained"):
+    with pytest.raises(EngineDeadError, match=r"reload_timeout_s=0.2s.*from_pretrained"):
         eng.load_weights({"w": torch.ones(2)}, version=4)
     assert time.perf_counter() - t0 < 0.9, "the deadline must not wait for the stuck reload"
     assert eng.version == 3
@@ -407,3 +408,32 @@ def test_serialize_round_trip():
     sd = {"a": torch.randn(2, 3), "b": torch.arange(4, dtype=torch.int64)}
     back = deserialize_state_dict(serialize_state_dict(sd))
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_vllm_engine_core_death_becomes_engine_dead_error():
+    """vLLM raises its own ``EngineDeadError`` when the engine-core process dies; the engine turns
+    it into ``asyncrl.engines.EngineDeadError`` (what the generation stage restarts on) and refuses
+    further calls. Any other error passes through unchanged."""
+
+    class EngineDeadError(Exception):  # the name is what vLLM's exception is recognised by
+        pass
+
+    eng, llm = make_engine()
+    pids, pmask = prompts()
+    params = SamplingParams(max_new_tokens=3)
+
+    def boom(*args, **kwargs):
+        raise ValueError("a request error")
+
+    llm.generate = boom
+    with pytest.raises(ValueError, match="a request error"):
+        eng.generate(pids, pmask, params, seed=0)
+
+    def dead(*args, **kwargs):
+        raise EngineDeadError("EngineCore encountered an issue")
+
+    llm.generate = dead
+    with pytest.raises(asyncrl_engines.EngineDeadError, match="engine core died during generate"):
+        eng.generate(pids, pmask, params, seed=0)
+    with pytest.raises(asyncrl_engines.EngineDeadError, match="unusable"):
+        eng.load_weights({"w": torch.ones(2)}, version=5)

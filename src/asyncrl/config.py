@@ -103,6 +103,9 @@ class PipelineConfig:
         help="where learner workers, the HF engine and the teacher run; cuda: NCCL, and GPU shares "
         "from gpus_per_worker / gpus_per_actor (checked against the Ray cluster at start)",
     )
+    max_engine_restarts: int = field(
+        3, help="rollout-engine deaths a run survives (the generator actor restarts, the block re-runs)"
+    )
     gpus_per_worker: float = field(1.0, help="GPUs per learner worker when device=cuda (< 1 shares one)")
     gpus_per_actor: float = field(
         0.25, help="GPUs per generation / scoring actor when device=cuda (vLLM: also set its memory share)"
@@ -127,6 +130,7 @@ class PipelineConfig:
         check(self.generators >= 1, "generators", self.generators, "use >= 1")
         check(self.teacher_scorers >= 1, "teacher_scorers", self.teacher_scorers, "use >= 1")
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
+        check(self.max_engine_restarts >= 0, "max_engine_restarts", self.max_engine_restarts, "use >= 0")
         check(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "use a share > 0, e.g. 0.5")
         check(self.gpus_per_actor > 0, "gpus_per_actor", self.gpus_per_actor, "use a share > 0, e.g. 0.25")
 

@@ -44,6 +44,7 @@ class PolicyStore:
         self.admit_poll_s = admit_poll_s
         self.closed = False
         self._wait_s = 0.0
+        self.engine_deaths = 0
 
     async def acquire(self, n: int, key: int | None = None) -> tuple[int, int] | None:
         """Block until ``n`` samples may start; return (ticket, version) or None once closed.
@@ -83,10 +84,16 @@ class PolicyStore:
         """Stop admitting: blocked generators return and the stream drains."""
         self.closed = True
 
+    def engine_died(self) -> int:
+        """A generator's engine died (it is about to restart); returns the run's death count."""
+        self.engine_deaths += 1
+        return self.engine_deaths
+
     def stats(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "admission_wait_s": self._wait_s,
+            "engine_deaths": self.engine_deaths,
             **{f"budget/{k}": v for k, v in self.budget.counters().items()},
         }
 
@@ -152,6 +159,9 @@ class PolicyStoreClient:
 
     def close(self) -> None:
         self._call("close")
+
+    def engine_died(self) -> int:
+        return self._call("engine_died")
 
     def stats(self) -> dict[str, Any]:
         return self._call("stats")

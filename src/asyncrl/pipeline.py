@@ -335,6 +335,7 @@ def build_dataset(
             admit_timeout_s=pc.no_progress_timeout_s,
             torch_threads=pc.torch_threads,
             engine_options=engine_options,
+            max_engine_restarts=pc.max_engine_restarts,
         ),
     )
     if cfg.algo == "opd":
@@ -505,6 +506,7 @@ def summarize(
         "in_flight_regenerated_on_resume": store_stats.get("budget/lost", 0),
         # blocks re-run after their generator died (they kept their admission: no budget leaked)
         "generation_retries": store_stats.get("budget/retries", 0),
+        "engine_restarts": store_stats.get("engine_deaths", 0),
         "run_dir": str(run_dir),
     }
 

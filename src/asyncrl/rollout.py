@@ -10,6 +10,7 @@ batch is reproducible regardless of which actor runs it or when.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.coordinator import PolicyStoreClient
 from asyncrl.engines import ENGINES
-from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.base import EngineDeadError, SamplingParams
 
 
 def batch_seed(seed: int, sample_ids: np.ndarray) -> int:
@@ -57,6 +58,11 @@ def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[
 CRASH_ENV = "ASYNCRL_INJECT_GENERATOR_CRASH"
 
 
+def _exit_process(code: int) -> None:
+    """Exit now, without cleanup (a dead engine may hang it); Ray restarts the actor."""
+    os._exit(code)
+
+
 def _crash_if_injected(admissions: int) -> None:
     spec = os.environ.get(CRASH_ENV)
     if not spec:
@@ -64,7 +70,7 @@ def _crash_if_injected(admissions: int) -> None:
     marker, k = spec.rsplit(":", 1)
     if admissions == int(k) and not Path(marker).exists():
         Path(marker).touch()
-        os._exit(1)
+        _exit_process(1)
 
 
 class Generate:
@@ -83,6 +89,7 @@ class Generate:
         admit_timeout_s: float,
         torch_threads: int = 1,
         engine_options: dict[str, Any] | None = None,
+        max_engine_restarts: int = 3,
     ) -> None:
         torch.set_num_threads(torch_threads)
         self.engine = ENGINES.get(engine).from_pretrained(student_dir, version=0, **(engine_options or {}))
@@ -92,6 +99,25 @@ class Generate:
         self.admit_timeout_s = admit_timeout_s
         self.have_version = -1
         self.admissions = 0
+        self.max_engine_restarts = max_engine_restarts
+
+    def _restart_or_fail(self, err: EngineDeadError) -> None:
+        """Crash-only recovery: exit this actor's process so Ray Data restarts it (a fresh engine,
+        the latest weights) and re-runs the block under its admission key; fail the run instead
+        once the run's engine deaths exceed ``max_engine_restarts``."""
+        deaths = self.store.engine_died()
+        if deaths > self.max_engine_restarts:
+            raise RuntimeError(
+                f"the rollout engine died {deaths} times in this run, more than "
+                f"pipeline.max_engine_restarts={self.max_engine_restarts}; last error: {err}"
+            ) from err
+        print(
+            f"asyncrl: rollout engine died ({err}); restarting this generator actor "
+            f"(engine death {deaths}, at most pipeline.max_engine_restarts={self.max_engine_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+        _exit_process(1)
 
     def _sync_weights(self) -> None:
         version, state = self.store.latest(self.have_version)
@@ -112,13 +138,16 @@ class Generate:
         self.admissions += 1
         _crash_if_injected(self.admissions)
         t_start = time.perf_counter()
-        self._sync_weights()
-        out = self.engine.generate(
-            torch.from_numpy(np.asarray(batch[R.PROMPT_IDS])),
-            torch.from_numpy(np.asarray(batch[R.PROMPT_MASK])).bool(),
-            self.params,
-            seed=batch_seed(self.seed, batch[R.SAMPLE_ID]),
-        )
+        try:
+            self._sync_weights()
+            out = self.engine.generate(
+                torch.from_numpy(np.asarray(batch[R.PROMPT_IDS])),
+                torch.from_numpy(np.asarray(batch[R.PROMPT_MASK])).bool(),
+                self.params,
+                seed=batch_seed(self.seed, batch[R.SAMPLE_ID]),
+            )
+        except EngineDeadError as err:
+            self._restart_or_fail(err)
         out = pad_rollout(out, self.params.max_new_tokens, getattr(self.engine, "pad_id", 0))
         versions, mask = out[R.TOKEN_VERSIONS], out[R.COMPLETION_MASK]
         result = dict(batch)

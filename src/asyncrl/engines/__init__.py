@@ -1,6 +1,6 @@
 """Rollout engines behind one protocol: ``HFEngine`` (CPU default) and ``VLLMEngine`` (GPU)."""
 
-from asyncrl.engines.base import RolloutEngine, SamplingParams
+from asyncrl.engines.base import EngineDeadError, RolloutEngine, SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.vllm import VLLMEngine  # cheap: vllm itself is imported in from_pretrained
 from asyncrl.registry import Registry
@@ -10,4 +10,4 @@ ENGINES: Registry = Registry("engine")
 ENGINES.add("hf", HFEngine)
 ENGINES.add("vllm", VLLMEngine)
 
-__all__ = ["ENGINES", "HFEngine", "RolloutEngine", "SamplingParams", "VLLMEngine"]
+__all__ = ["ENGINES", "EngineDeadError", "HFEngine", "RolloutEngine", "SamplingParams", "VLLMEngine"]

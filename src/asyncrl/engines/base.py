@@ -21,6 +21,16 @@ from asyncrl import records
 from asyncrl.configurable import check, field
 
 
+class EngineDeadError(RuntimeError):
+    """The engine can serve no further calls (its workers died, or a reload timed out and they may
+    hold half-loaded weights); only a new engine from ``from_pretrained`` can continue.
+
+    The generation stage answers it crash-only: its actor process exits, Ray Data restarts the
+    actor (which builds a new engine and pulls the latest weights) and re-runs the block under
+    the block's existing admission, up to ``pipeline.max_engine_restarts`` times per run.
+    """
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample. No top-k / top-p: importance ratios need the untruncated distribution."""

@@ -35,14 +35,22 @@ Importing this module never imports vllm; ``from_pretrained`` does.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
+from asyncrl.engines.base import (
+    EngineDeadError,
+    SamplingParams,
+    check_prompts,
+    check_version,
+    checkpoint_dir,
+    pack_rollout,
+)
 from asyncrl.engines.vllm_worker import RELOAD_METHOD, serialize_state_dict
 
 INSTALL_HINT = (
@@ -213,7 +221,7 @@ class VLLMEngine:
         """Reload weights in place in every vLLM worker, reset the prefix cache, set ``version``.
 
         ``state_dict`` uses HF parameter names (a DDP ``module.`` prefix is stripped).
-        Raises ``TimeoutError`` after ``reload_timeout_s``; the engine then refuses further
+        Raises ``EngineDeadError`` after ``reload_timeout_s``; the engine then refuses further
         calls, because the workers may hold a half-loaded model.
         """
         self._check_usable()
@@ -235,7 +243,7 @@ class VLLMEngine:
                 f"load_weights(version={version}) did not finish within reload_timeout_s="
                 f"{self.reload_timeout_s:g}s"
             )
-            raise TimeoutError(
+            raise EngineDeadError(
                 f"VLLMEngine.{self._broken}; the workers may hold partially loaded weights, so this "
                 f"engine refuses further calls. Rebuild it with VLLMEngine.from_pretrained, or raise "
                 f"reload_timeout_s if reloads of this model are legitimately slow"
@@ -243,7 +251,8 @@ class VLLMEngine:
         self._version = version
 
     def _reload(self, blob: bytes) -> None:
-        counts = self._llm.collective_rpc(RELOAD_METHOD, args=(blob,))
+        with self._dead_engine_guard("collective_rpc (weight reload)"):
+            counts = self._llm.collective_rpc(RELOAD_METHOD, args=(blob,))
         if not counts or any(c <= 0 for c in counts):
             raise RuntimeError(
                 f"weight reload reached no worker or loaded nothing (per-worker counts {counts})"
@@ -301,7 +310,8 @@ class VLLMEngine:
             )
             for s in request_seeds(seed, len(rows))
         ]
-        outputs = self._llm.generate([{"prompt_token_ids": r} for r in rows], requests, use_tqdm=False)
+        with self._dead_engine_guard("generate"):
+            outputs = self._llm.generate([{"prompt_token_ids": r} for r in rows], requests, use_tqdm=False)
         if len(outputs) != len(rows):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(rows)} prompts")
         tokens: list[list[int]] = []
@@ -341,9 +351,22 @@ class VLLMEngine:
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise RuntimeError(
+            raise EngineDeadError(
                 f"this VLLMEngine is unusable: {self._broken}; build a new one with from_pretrained"
             )
+
+    @contextlib.contextmanager
+    def _dead_engine_guard(self, what: str) -> Iterator[None]:
+        """vLLM's own ``EngineDeadError`` (its engine-core process died) becomes ours, and the
+        engine refuses further calls; other errors pass through unchanged."""
+        try:
+            yield
+        except Exception as err:
+            if type(err).__name__ != "EngineDeadError":
+                raise
+            self._broken = f"vLLM's engine core died during {what} ({err})"
+            msg = f"VLLMEngine: {self._broken}; build a new one with from_pretrained"
+            raise EngineDeadError(msg) from err
 
     def _prompt_rows(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams

@@ -1,0 +1,79 @@
+"""The generation stage's answer to a dead engine (``EngineDeadError``): exit the actor process so
+Ray Data restarts it and re-runs the block, until the run's deaths exceed
+``pipeline.max_engine_restarts``; then fail the run with that setting named. No Ray needed: the
+stage is built without its constructor, with a stand-in store and engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncrl import records as R
+from asyncrl import rollout
+from asyncrl.engines import EngineDeadError, SamplingParams
+
+
+class Store:
+    def __init__(self) -> None:
+        self.deaths = 0
+        self.keys: list[int] = []
+
+    def acquire(self, n, timeout_s, key=None):
+        self.keys.append(key)
+        return 0, 0
+
+    def latest(self, have):
+        return 0, None
+
+    def engine_died(self) -> int:
+        self.deaths += 1
+        return self.deaths
+
+
+class DeadEngine:
+    version = 0
+    pad_id = 0
+
+    def generate(self, *args, **kwargs):
+        raise EngineDeadError("engine core died")
+
+
+def stage(store: Store, max_engine_restarts: int) -> rollout.Generate:
+    g = rollout.Generate.__new__(rollout.Generate)
+    g.engine, g.store, g.seed, g.admit_timeout_s = DeadEngine(), store, 0, 1.0
+    g.params = SamplingParams(max_new_tokens=4)
+    g.have_version, g.admissions, g.max_engine_restarts = -1, 0, max_engine_restarts
+    return g
+
+
+def block() -> dict[str, np.ndarray]:
+    return {
+        R.SAMPLE_ID: np.arange(8, 12),
+        R.PROMPT_IDS: np.ones((4, 3), dtype=np.int64),
+        R.PROMPT_MASK: np.ones((4, 3), dtype=bool),
+    }
+
+
+def test_dead_engine_restarts_the_actor_then_fails_the_run(monkeypatch):
+    exits: list[int] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(code)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(rollout, "_exit_process", fake_exit)
+    store = Store()
+    g = stage(store, max_engine_restarts=2)
+    for _ in range(2):  # each death within the budget exits the process (Ray restarts it)
+        with pytest.raises(SystemExit):
+            g(block())
+    assert exits == [1, 1] and store.keys == [8, 8]  # the retried block keeps its admission key
+    with pytest.raises(RuntimeError, match=r"died 3 times.*pipeline\.max_engine_restarts=2"):
+        g(block())
+    assert exits == [1, 1]
+
+
+def test_no_restarts_allowed_fails_at_the_first_death(monkeypatch):
+    monkeypatch.setattr(rollout, "_exit_process", lambda code: pytest.fail("must not exit"))
+    with pytest.raises(RuntimeError, match="max_engine_restarts=0"):
+        stage(Store(), max_engine_restarts=0)(block())
