@@ -14,7 +14,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.engines import ENGINES, SamplingParams
 from asyncrl.engines.vllm import INSTALL_HINT
-from asyncrl.pipeline import check_build, check_gpus
+from asyncrl.pipeline import check_build, check_gpus, generator_engine_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,3 +96,13 @@ def test_grpo_reward_stage_reserves_no_gpu():
 def test_gpu_shares_must_be_positive(key):
     with pytest.raises(ValueError, match=rf"pipeline\.{key}"):
         _gpu_cfg(f"pipeline.{key}=0")
+
+
+def test_cuda_puts_the_engines_on_the_gpu_share_unless_the_user_says_otherwise():
+    assert generator_engine_options(_gpu_cfg()) == {"device": "cuda"}
+    vllm = generator_engine_options(_gpu_cfg("pipeline.engine=vllm", "pipeline.gpus_per_actor=0.5"))
+    assert vllm == {"gpu_memory_utilization": 0.45}  # inside its share; vLLM's default is 0.9
+    own = _gpu_cfg("pipeline.engine=vllm", "pipeline.engine_options={gpu_memory_utilization: 0.3}")
+    assert generator_engine_options(own) == {"gpu_memory_utilization": 0.3}
+    cpu = load_config(REPO / "examples" / "configs" / "opd_tiny.yaml", ["pipeline.engine_options={seed: 1}"])
+    assert generator_engine_options(cpu) == {"seed": 1}

@@ -108,7 +108,9 @@ class PipelineConfig:
     )
     gpus_per_worker: float = field(1.0, help="GPUs per learner worker when device=cuda (< 1 shares one)")
     gpus_per_actor: float = field(
-        0.25, help="GPUs per generation / scoring actor when device=cuda (vLLM: also set its memory share)"
+        0.25,
+        help="GPUs per generation / scoring actor when device=cuda (vLLM's gpu_memory_utilization "
+        "defaults to 0.9 x this share)",
     )
     torch_threads: int = field(1, help="torch intra-op threads per actor and worker")
     num_cpus: int | None = field(

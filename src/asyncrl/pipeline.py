@@ -266,6 +266,19 @@ def init_ray(cfg: RunConfig) -> bool:
     return True
 
 
+def generator_engine_options(cfg: RunConfig) -> dict[str, Any]:
+    """``pipeline.engine_options`` plus what ``pipeline.device=cuda`` implies, unless set: the HF
+    engine on ``cuda``, and vLLM's ``gpu_memory_utilization`` within the actor's GPU share (vLLM
+    otherwise claims 90% of the device, which the learner and the teacher share)."""
+    pc = cfg.pipeline
+    options = dict(pc.engine_options)
+    if pc.device == "cuda" and pc.engine == "hf":
+        options.setdefault("device", "cuda")
+    if pc.device == "cuda" and pc.engine == "vllm":
+        options.setdefault("gpu_memory_utilization", round(0.9 * min(pc.gpus_per_actor, 1.0), 4))
+    return options
+
+
 def check_gpus(cfg: RunConfig, cluster_gpus: float) -> None:
     """``pipeline.device=cuda``: the GPU shares the run reserves must fit the Ray cluster's GPUs
     (else Ray would wait for them forever); checked once Ray is up, before any actor starts."""
@@ -314,9 +327,7 @@ def build_dataset(
     sampling = to_dict(cfg.sampling)
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
-    engine_options = dict(pc.engine_options)
-    if pc.device == "cuda" and pc.engine == "hf":
-        engine_options.setdefault("device", "cuda")
+    engine_options = generator_engine_options(cfg)
     ds = ds.map_batches(
         Generate,
         batch_size=local,
