@@ -120,5 +120,10 @@ def test_opd_respects_bound_and_learns(ray_local, small_pair, tmp_path, max_lag)
     assert np.mean(kl[-15:]) < np.mean(kl[:15]), "distillation did not reduce KL(teacher || student)"
     if max_lag > 0:
         assert kept["lag"].max() >= 1, "async run never overlapped generation and training"
+    # per-staleness-bucket ESS of the sequence weights; lag-0 samples are on-policy: weights 1
+    ess = {k: v for m in read_metrics(result.run_dir) for k, v in m.items() if k.endswith("/ess")}
+    assert ess and all(0 < v <= 1 + 1e-9 for v in ess.values()), ess
+    assert np.isfinite(kept["seq_log_ratio"]).all()
+    assert np.abs(kept[kept["lag"] == 0]["seq_log_ratio"]).max() < 1e-4
     for key in ("config.yaml", "metrics.jsonl", "summary.json"):
         assert (result.run_dir / key).exists()

@@ -330,6 +330,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 
 def per_bucket_metrics(per_bucket: Any, rows: dict[str, np.ndarray]) -> dict[str, float]:
+    """``bucket/<lag>/<metric>`` over the kept samples: loss, KL(behavior || current), reward, the
+    count ``n`` and ``ess``, the ESS fraction of the bucket's sequence weights ``exp(seq_log_ratio)``
+    (how far importance weighting would thin that staleness bucket out)."""
     kept = rows["kept"].astype(bool)
     out: dict[str, float] = {}
     if not kept.any():
@@ -338,7 +341,13 @@ def per_bucket_metrics(per_bucket: Any, rows: dict[str, np.ndarray]) -> dict[str
     for name in ("loss", "kl_behavior_current", "reward"):
         out.update(per_bucket(rows[name][kept], lags, name=name))
     out.update(per_bucket(np.ones(int(kept.sum())), lags, name="n", reduce="sum"))
+    if "seq_log_ratio" in rows:
+        out.update(per_bucket(rows["seq_log_ratio"][kept], lags, reduce=_ess, name="ess"))
     return out
+
+
+def _ess(log_weights: np.ndarray) -> float:
+    return float(ess_fraction(torch.as_tensor(log_weights, dtype=torch.float64)))
 
 
 def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfig, world, rank, device):
@@ -390,6 +399,7 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     if n_kept == 0:  # everything stale on every rank: count it, no optimizer step
         rows["loss"] = np.full(len(keep), np.nan)
         rows["kl_behavior_current"] = np.full(len(keep), np.nan)
+        rows["seq_log_ratio"] = np.full(len(keep), np.nan)
         metrics.update({**controllers.metrics(), "staleness/dropped": float(n_drop)})
         return metrics, rows, info.sample_id, 0, n_drop
 
@@ -436,6 +446,8 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     r = torch.exp(torch.clamp(log_ratio, -20, 20))
     k3_tok = torch.where(mask, r - log_ratio - 1, torch.zeros_like(r))
     n_tok = valid.sum(1).clamp_min(1)
+    # log of the sequence importance weight pi_theta(y) / pi_b(y) (ESS per staleness bucket)
+    rows["seq_log_ratio"] = torch.where(keep_t, seq_log_ratio, float("nan")).double().cpu().numpy()
     rows["kl_behavior_current"] = (
         torch.where(keep_t, k3_tok.sum(1) / n_tok, torch.full_like(n_tok, float("nan"))).cpu().numpy()
     )
