@@ -50,7 +50,8 @@ def ray_local():
     from asyncrl.pipeline import RAY_ENV
     from asyncrl.raysetup import runtime_env
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=runtime_env(RAY_ENV, None))
+    # the Ray Data tick users get (pipeline.data_tick_s default), so tests run what users run
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=runtime_env(RAY_ENV))
     yield ray
     ray.shutdown()
 

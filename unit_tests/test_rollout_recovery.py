@@ -42,7 +42,7 @@ def stage(store: Store, max_engine_restarts: int) -> rollout.Generate:
     g = rollout.Generate.__new__(rollout.Generate)
     g.engine, g.store, g.seed, g.admit_timeout_s = DeadEngine(), store, 0, 1.0
     g.params = SamplingParams(max_new_tokens=4)
-    g.have_version, g.admissions, g.max_engine_restarts = -1, 0, max_engine_restarts
+    g.have_version, g.admissions, g.crash_at, g.max_engine_restarts = -1, 0, None, max_engine_restarts
     return g
 
 

@@ -16,6 +16,7 @@ import yaml
 
 from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
 from asyncrl.engines.base import SamplingParams
+from asyncrl.raysetup import DEFAULT_TICK_S
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class PipelineConfig:
     )
     ray_address: str | None = field(None, help="existing Ray cluster ('auto' or host:port); None = local")
     data_tick_s: float | None = field(
-        0.005,
+        DEFAULT_TICK_S,
         help="Ray Data scheduling tick (s) in every Ray worker asyncrl starts (Ray's own: 0.1 s, paid "
         "per stage hand-off while a generator waits for admission); None keeps Ray's",
     )

@@ -199,6 +199,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     )
     raw_model = backend.module
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
+    # once per run (signature inspection): may the estimator be handed the learner's token log-probs?
+    hand_logprobs = accepts_token_logprobs(estimator)
     controllers = build_chain(controller_specs(cfg))
 
     step = 0
@@ -267,7 +269,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         t_got = time.perf_counter()
         batch_np["consumed_at"] = np.full(len(batch_np[R.SAMPLE_ID]), time.time())
         metrics, sample_rows, consumed_ids, n_kept, n_drop = _learner_step(
-            backend, estimator, controllers, batch_np, step, cfg, world, rank, device
+            backend, estimator, hand_logprobs, controllers, batch_np, step, cfg, world, rank, device
         )
         t_computed = time.perf_counter()
         if n_kept > 0:
@@ -341,8 +343,7 @@ def per_bucket_metrics(per_bucket: Any, rows: dict[str, np.ndarray]) -> dict[str
     for name in ("loss", "kl_behavior_current", "reward"):
         out.update(per_bucket(rows[name][kept], lags, name=name))
     out.update(per_bucket(np.ones(int(kept.sum())), lags, name="n", reduce="sum"))
-    if "seq_log_ratio" in rows:
-        out.update(per_bucket(rows["seq_log_ratio"][kept], lags, reduce=_ess, name="ess"))
+    out.update(per_bucket(rows["seq_log_ratio"][kept], lags, reduce=_ess, name="ess"))
     return out
 
 
@@ -350,10 +351,13 @@ def _ess(log_weights: np.ndarray) -> float:
     return float(ess_fraction(torch.as_tensor(log_weights, dtype=torch.float64)))
 
 
-def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfig, world, rank, device):
+def _learner_step(
+    backend, estimator, hand_logprobs, controllers, batch_np, step, cfg: RunConfig, world, rank, device
+):
     """One consumption + (maybe) one optimizer step. Returns metrics, per-sample rows, counts.
 
-    Tensors live on ``device`` (the model's); per-sample rows go back to numpy on the CPU."""
+    Tensors live on ``device`` (the model's); per-sample rows go back to numpy on the CPU.
+    ``hand_logprobs``: the estimator takes the token log-probs gathered here (with grad)."""
     tc = cfg.train
     info = SampleInfo(
         sample_id=np.asarray(batch_np[R.SAMPLE_ID]),
@@ -406,9 +410,10 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     logits = R.completion_logits(
         backend.model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
     )
-    # log pi_theta at the generated tokens, gathered once: with grad for the estimator, detached
-    # for the controllers and telemetry
-    logp_grad = gather_logprobs(logits, tb[R.COMPLETION_IDS], chunk_size=tc.logits_chunk)
+    # log pi_theta at the generated tokens, gathered once: with grad only if the estimator takes
+    # it, detached for the controllers and telemetry
+    with torch.set_grad_enabled(hand_logprobs):
+        logp_grad = gather_logprobs(logits, tb[R.COMPLETION_IDS], chunk_size=tc.logits_chunk)
     logp = logp_grad.detach()
     behavior = tb[R.BEHAVIOR_LOGPROBS]
     log_ratio = torch.where(mask, logp - behavior, torch.zeros_like(logp))
@@ -431,7 +436,7 @@ def _learner_step(backend, estimator, controllers, batch_np, step, cfg: RunConfi
     weights = controllers.token_weights(sctx)
     est_batch = dict(tb)
     est_batch[R.COMPLETION_MASK] = mask
-    given = {"token_logprobs": logp_grad} if accepts_token_logprobs(estimator) else {}
+    given = {"token_logprobs": logp_grad} if hand_logprobs else {}
     out = estimator(logits, est_batch, token_weights=weights, **given)
     backend.backward(out.loss)
     if backend.supports_gradient_transform:

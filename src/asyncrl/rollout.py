@@ -63,14 +63,13 @@ def _exit_process(code: int) -> None:
     os._exit(code)
 
 
-def _crash_if_injected(admissions: int) -> None:
+def _injected_crash() -> tuple[Path, int] | None:
+    """(marker, k) from ``CRASH_ENV``, read once per actor; None when unset (always, outside tests)."""
     spec = os.environ.get(CRASH_ENV)
     if not spec:
-        return
+        return None
     marker, k = spec.rsplit(":", 1)
-    if admissions == int(k) and not Path(marker).exists():
-        Path(marker).touch()
-        _exit_process(1)
+    return Path(marker), int(k)
 
 
 class Generate:
@@ -99,6 +98,7 @@ class Generate:
         self.admit_timeout_s = admit_timeout_s
         self.have_version = -1
         self.admissions = 0
+        self.crash_at = _injected_crash()
         self.max_engine_restarts = max_engine_restarts
 
     def _restart_or_fail(self, err: EngineDeadError) -> None:
@@ -136,7 +136,9 @@ class Generate:
             return {k: v[:0] for k, v in batch.items()}
         ticket, _ = admitted
         self.admissions += 1
-        _crash_if_injected(self.admissions)
+        if self.crash_at and self.admissions == self.crash_at[1] and not self.crash_at[0].exists():
+            self.crash_at[0].touch()
+            _exit_process(1)
         t_start = time.perf_counter()
         try:
             self._sync_weights()
