@@ -177,15 +177,21 @@ def pack_rollout(
     hold the pad id and log-prob 0. Column 0 becomes ``completion_ids``/``behavior_logprobs``;
     for ``mc_samples > 0`` all k columns become ``mc_ids``/``mc_behavior_logprobs``; every token
     is stamped with ``version`` (one call = one set of weights).
+
+    The columns are always fresh, normal tensors, even when the engine sampled under
+    ``torch.inference_mode`` (``HFEngine.generate``): an inference tensor cannot be saved for
+    backward, so a plain training loop that computes a loss from the rollout (behavior log-probs
+    in an importance ratio, completion ids in a gather) would fail on it.
     """
     B, T = mask.shape
-    out = {
-        records.COMPLETION_IDS: draws[..., 0].contiguous(),
-        records.COMPLETION_MASK: mask.contiguous(),
-        records.BEHAVIOR_LOGPROBS: logprobs[..., 0].contiguous(),
-        records.TOKEN_VERSIONS: torch.full((B, T), int(version), dtype=torch.int32, device=mask.device),
-    }
-    if mc_samples > 0:
-        out[records.MC_IDS] = draws.contiguous()
-        out[records.MC_BEHAVIOR_LOGPROBS] = logprobs.contiguous()
+    with torch.inference_mode(False):  # clone() of an inference tensor here is a normal tensor
+        out = {
+            records.COMPLETION_IDS: draws[..., 0].clone(memory_format=torch.contiguous_format),
+            records.COMPLETION_MASK: mask.clone(memory_format=torch.contiguous_format),
+            records.BEHAVIOR_LOGPROBS: logprobs[..., 0].clone(memory_format=torch.contiguous_format),
+            records.TOKEN_VERSIONS: torch.full((B, T), int(version), dtype=torch.int32, device=mask.device),
+        }
+        if mc_samples > 0:
+            out[records.MC_IDS] = draws.clone(memory_format=torch.contiguous_format)
+            out[records.MC_BEHAVIOR_LOGPROBS] = logprobs.clone(memory_format=torch.contiguous_format)
     return out
