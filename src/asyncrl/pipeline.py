@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from asyncrl import records as R
-from asyncrl.config import RunConfig, load_config, save_config
+from asyncrl.config import RunConfig, load_config, resolve_auto, save_config
 from asyncrl.configurable import to_dict
 from asyncrl.telemetry.sinks import read_metrics
 
@@ -388,6 +388,7 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
 
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
+    cfg = resolve_auto(cfg)  # a RunConfig built in code may still say sampling.max_new_tokens=auto
     t0 = time.perf_counter()
     # workers do not share the driver's working directory: make every local path absolute
     cfg = replace(
@@ -404,9 +405,11 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
 
     from transformers import AutoTokenizer
 
+    from asyncrl.workloads.tasks import prompt_token_ids
+
     tokenizer = AutoTokenizer.from_pretrained(models.student_dir, local_files_only=True)
     train_ex, eval_ex = load_examples(cfg)
-    max_prompt_len = max(len(tokenizer(e.prompt)["input_ids"]) for e in train_ex[:2048])
+    max_prompt_len = max(map(len, prompt_token_ids(tokenizer, [e.prompt for e in train_ex[:2048]])))
     skip = np.load(resume_dir / "ledger.npy") if resume_dir else None
     blocks = prompt_blocks(cfg, train_ex, tokenizer, max_prompt_len, skip)
 

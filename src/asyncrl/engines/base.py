@@ -13,7 +13,7 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -35,14 +35,23 @@ class EngineDeadError(RuntimeError):
 class SamplingParams:
     """How to sample. No top-k / top-p: importance ratios need the untruncated distribution."""
 
-    max_new_tokens: int = field(32, help="generation stops after this many tokens (or at EOS)")
+    max_new_tokens: int | Literal["auto"] = field(
+        "auto",
+        help="generation stops after this many tokens (or at EOS); auto = the task's longest answer in "
+        "tokens of the run's tokenizer + 1 (EOS), resolved when the run config is loaded",
+    )
     temperature: float = field(1.0, help="softmax temperature tau; 0 means greedy (eval only)")
     mc_samples: int = field(
         0, help="m: MC draws per position from pi_b (column 0 = generated token); 0 disables"
     )
 
     def __post_init__(self) -> None:
-        check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "use an integer >= 1")
+        check(
+            self.max_new_tokens == "auto" or self.max_new_tokens >= 1,
+            "max_new_tokens",
+            self.max_new_tokens,
+            "use an integer >= 1 or auto",
+        )
         check(self.temperature >= 0, "temperature", self.temperature, "use 0 (greedy) or a positive value")
         check(self.mc_samples >= 0, "mc_samples", self.mc_samples, "use 0 (off) or m >= 1")
 
@@ -135,6 +144,11 @@ def check_prompts(
     """
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be asyncrl.engines.SamplingParams, got {type(params).__name__}")
+    if params.max_new_tokens == "auto":
+        raise ValueError(
+            "SamplingParams.max_new_tokens='auto' is resolved from the task by the run config "
+            "(asyncrl.config.load_config); an engine needs a number: pass max_new_tokens=N"
+        )
     ids, mask = torch.as_tensor(prompt_ids), torch.as_tensor(prompt_mask)
     if ids.dim() != 2 or ids.shape != mask.shape:
         raise ValueError(
