@@ -193,7 +193,9 @@ def test_validate_missing_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_p
     assert "top level must be a mapping" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("task", "budget"), [("addition", 4), ("running_sum", 33), ("running_sum_long", 129)])
+@pytest.mark.parametrize(
+    ("task", "budget"), [("addition", 4), ("running_sum", 33), ("running_sum_long", 129)]
+)
 def test_max_new_tokens_auto_is_sized_from_the_task(tmp_path: Path, task: str, budget: int) -> None:
     """The default (auto) becomes the longest answer in tokens + EOS; a number given is kept."""
     from asyncrl.config import resolve_auto
@@ -225,5 +227,5 @@ def test_engines_refuse_an_unresolved_max_new_tokens() -> None:
     from asyncrl.engines.base import SamplingParams, check_prompts
 
     ids, mask = torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool)
-    with pytest.raises(ValueError, match="max_new_tokens='auto'.*pass max_new_tokens=N"):
+    with pytest.raises(ValueError, match=r"max_new_tokens='auto'.*pass max_new_tokens=N"):
         check_prompts(ids, mask, SamplingParams(), 10, ("ctx", None))

@@ -436,7 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=256, help="number of eval examples")
     p.add_argument("--seed", type=int, default=0, help="seed of the eval examples")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
-    p.add_argument("--max-new-tokens", type=int, default=0, help="default: the task's longest answer in tokens + 1 (EOS)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=0, help="default: the task's longest answer in tokens + 1 (EOS)"
+    )
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1), help="torch threads")
 
     p = add(

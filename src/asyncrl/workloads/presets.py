@@ -98,7 +98,9 @@ class Preset:
         for task, over in self.per_task.items():
             bad = sorted(set(over) - allowed)
             if bad:
-                raise ValueError(f"preset {self.name!r}: per_task[{task!r}] sets {bad}; allowed: {sorted(allowed)}")
+                raise ValueError(
+                    f"preset {self.name!r}: per_task[{task!r}] sets {bad}; allowed: {sorted(allowed)}"
+                )
 
     def for_task(self, task: str) -> Preset:
         """This preset as it pretrains ``task``: that task's overrides applied, no others left."""
@@ -193,7 +195,9 @@ _add(
         teacher=ModelSpec("qwen3", hidden=64, layers=2, heads=2, intermediate=256),
         student=ModelSpec("qwen3", hidden=32, layers=1, heads=1, intermediate=128),
         teacher_schedule=Schedule(max_steps=1500, lr=3e-3, batch_size=32, eval_every=50, stop_at=0.9),
-        student_schedule=Schedule(max_steps=1500, lr=3e-3, batch_size=32, eval_every=25, stop_at=0.1, cap=0.5),
+        student_schedule=Schedule(
+            max_steps=1500, lr=3e-3, batch_size=32, eval_every=25, stop_at=0.1, cap=0.5
+        ),
         eval_size=256,
         tokenizer="qwen",
         doc="Qwen3 blocks with Qwen's BPE vocabulary (151,936 logits) and chat-templated prompts",

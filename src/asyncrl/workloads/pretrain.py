@@ -26,7 +26,6 @@ knob to change; nothing outside the target is cached. Deterministic given the se
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import platform
@@ -173,7 +172,11 @@ def _pretrain(
     teacher_dir, student_dir = root / "teacher", root / "student"
     builtin = TOKENIZERS.get(preset_obj.tokenizer)
     tokenizer = builtin.build()
-    ids = {"pad_id": tokenizer.pad_token_id, "bos_id": tokenizer.bos_token_id, "eos_id": tokenizer.eos_token_id}
+    ids = {
+        "pad_id": tokenizer.pad_token_id,
+        "bos_id": tokenizer.bos_token_id,
+        "eos_id": tokenizer.eos_token_id,
+    }
     train = task_obj.make_examples("train", TRAIN_POOL, seed)
     evals = task_obj.make_examples("eval", preset_obj.eval_size, seed)
     where = f"`asyncrl pretrain --task {task_obj.name} --preset {preset_obj.name}`"
@@ -302,7 +305,9 @@ def train_supervised(
     return model.eval(), acc, step
 
 
-def _supervised_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sparse_head: bool) -> torch.Tensor:
+def _supervised_loss(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sparse_head: bool
+) -> torch.Tensor:
     """Mean cross-entropy of the labelled next tokens (``y[:, 1:]``, -100 = unlabelled).
 
     ``sparse_head``: run the LM head only at the labelled positions (the decoder's last hidden

@@ -1,8 +1,8 @@
 """The built-in tokenizers: a character tokenizer and Qwen's BPE vocabulary, both real
 ``PreTrainedTokenizerFast`` objects built without a model hub, and ``TOKENIZERS`` naming them.
 
-**char** (``char_tokenizer``). Why a character tokenizer: no model hub is reachable, the built-in tasks are character
-strings, and a ~100-token vocabulary keeps the tiny models' embedding and LM-head cheap.
+**char** (``char_tokenizer``). Why a character tokenizer: no model hub is reachable, the built-in
+tasks are character strings, and a ~100-token vocabulary keeps the tiny models' embedding and LM-head cheap.
 It is an ordinary ``transformers`` tokenizer (``tokenizers`` WordLevel model, a ``Split("",
 "isolated")`` pre-tokenizer, a ``Fuse`` decoder), so it saves and loads with
 ``save_pretrained`` / ``from_pretrained`` like any other and nothing downstream special-cases it.
