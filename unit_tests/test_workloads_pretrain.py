@@ -198,12 +198,12 @@ def test_a_teacher_below_stop_at_fails_naming_the_knob(tmp_path) -> None:
 
 
 def test_an_overshoot_is_bisected_to_a_step_inside_the_band() -> None:
-    """Accuracy jumps 0.1 -> 0.9 between two evaluations; the in-between steps are searched."""
+    """Accuracy jumps 0.1 -> 0.9 between two evaluations; the earliest in-band step is found."""
     from asyncrl.workloads.presets import Schedule
     from asyncrl.workloads.pretrain import PretrainError, _bisect_band
 
     model = torch.nn.Linear(1, 1, bias=False)
-    curve = {11: 0.12, 12: 0.15, 13: 0.18, 14: 0.3, 15: 0.7, 16: 0.8, 17: 0.85, 18: 0.88, 19: 0.89}
+    curve = {11: 0.12, 12: 0.15, 13: 0.18, 14: 0.3, 15: 0.45, 16: 0.8, 17: 0.85, 18: 0.88, 19: 0.89}
     snaps = [(s, {"weight": torch.full((1, 1), float(s))}) for s in curve]
     evaluated = []
 

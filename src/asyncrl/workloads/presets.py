@@ -193,10 +193,11 @@ _add(
     Preset(
         "qwen-tiny",
         teacher=ModelSpec("qwen3", hidden=64, layers=2, heads=2, intermediate=256),
-        student=ModelSpec("qwen3", hidden=32, layers=1, heads=1, intermediate=128),
+        # one layer: the embedding dominates both (151,936 x hidden), so depth makes the student weaker
+        student=ModelSpec("qwen3", hidden=64, layers=1, heads=2, intermediate=256),
         teacher_schedule=Schedule(max_steps=1500, lr=3e-3, batch_size=32, eval_every=50, stop_at=0.9),
         student_schedule=Schedule(
-            max_steps=1500, lr=3e-3, batch_size=32, eval_every=25, stop_at=0.1, cap=0.5
+            max_steps=2000, lr=3e-3, batch_size=32, eval_every=25, stop_at=0.1, cap=0.5
         ),
         eval_size=256,
         tokenizer="qwen",

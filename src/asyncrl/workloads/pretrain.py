@@ -18,7 +18,7 @@ Stopping rules (evaluated every ``eval_every`` steps on the eval split, greedy):
 stops once accuracy >= ``stop_at``; the student stops at the first accuracy in ``[stop_at, cap]``.
 Exact match on long answers rises steeply (all tokens must be right), so it can jump over the
 band between two evaluations: the student's weights after every step since the last evaluation
-are kept, and on an overshoot they are bisected for a step inside the band. A teacher below
+are kept, and on an overshoot they are bisected for the earliest step inside the band. A teacher below
 ``stop_at`` or a student that never lands in the band raises ``PretrainError`` naming the preset
 knob to change; nothing outside the target is cached. Deterministic given the seed
 (single-process CPU training).
@@ -135,13 +135,13 @@ def pretrain(
     teacher_dir, student_dir = root / "teacher", root / "student"
     log = _printer(progress)
 
-    if (
-        not force
-        and not missing_parts(teacher_dir, require_meta=True)
-        and not missing_parts(student_dir, require_meta=True)
-        and _fingerprint_matches(read_meta(teacher_dir), preset_obj, "teacher")
-        and _fingerprint_matches(read_meta(student_dir), preset_obj, "student")
-    ):
+    cached = {
+        role: not force
+        and not missing_parts(root / role, require_meta=True)
+        and _fingerprint_matches(read_meta(root / role), preset_obj, role)
+        for role in ("teacher", "student")
+    }
+    if all(cached.values()):
         tm, sm = read_meta(teacher_dir), read_meta(student_dir)
         log(
             f"reusing {root} (teacher {tm['accuracy']:.3f}, student {sm['accuracy']:.3f}); "
@@ -161,14 +161,16 @@ def pretrain(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # deterministic, and faster than 2 threads for models this small
     try:
-        return _pretrain(task_obj, preset_obj, root, seed, log, t0)
+        return _pretrain(task_obj, preset_obj, root, seed, log, t0, cached)
     finally:
         torch.set_num_threads(threads)
 
 
 def _pretrain(
-    task_obj: Task, preset_obj: Preset, root: Path, seed: int, log: Any, t0: float
+    task_obj: Task, preset_obj: Preset, root: Path, seed: int, log: Any, t0: float, cached: dict[str, bool]
 ) -> PretrainResult:
+    """Train the roles not ``cached`` (a teacher that is, e.g. after a student missed its band and
+    its schedule was changed, is reused: each role has its own fingerprint)."""
     teacher_dir, student_dir = root / "teacher", root / "student"
     builtin = TOKENIZERS.get(preset_obj.tokenizer)
     tokenizer = builtin.build()
@@ -185,6 +187,11 @@ def _pretrain(
         ("teacher", preset_obj.teacher, preset_obj.teacher_schedule, seed),
         ("student", preset_obj.student, preset_obj.student_schedule, seed + 1),
     ):
+        if cached[role]:
+            meta = read_meta(root / role)
+            results[role] = (float(meta["accuracy"]), int(meta.get("steps", 0)))
+            log(f"{role}: reusing {root / role} (accuracy {results[role][0]:.3f})")
+            continue
         model = build_model(spec, builtin.vocab_size(tokenizer), model_seed, **ids)
         log(
             f"{role}: {spec.arch} {num_parameters(model) / 1e6:.2f}M params, up to {schedule.max_steps} steps"
@@ -334,24 +341,27 @@ def _bisect_band(
     above: tuple[int, float],
     log: Any,
 ) -> tuple[torch.nn.Module, float, int]:
-    """A step strictly between ``below`` and ``above`` whose accuracy is inside the band.
+    """The earliest step strictly between ``below`` and ``above`` with accuracy >= ``stop_at``, if it
+    is inside the band (so the student is as weak as the band allows: room for distillation).
 
     Exact match is close to monotone over a few steps of a rising curve, so bisection finds the
-    crossing in log2(steps) evaluations; the first in-band step it meets is kept.
+    crossing in log2(steps) evaluations.
     """
-    lo, hi = 0, len(snapshots)  # candidates snapshots[lo:hi]
+    lo, hi = 0, len(snapshots)  # the crossing is snapshots[lo:hi] or `above`
+    found: tuple[int, float, dict[str, torch.Tensor]] | None = None
     while lo < hi:
         mid = (lo + hi) // 2
         step, weights = snapshots[mid]
         model.load_state_dict(weights)
         acc = accuracy()
         log(f"  step {step:5d} (bisecting an overshoot) eval exact-match {acc:.3f}")
-        if schedule.stop_at <= acc <= schedule.cap:
-            return model.eval(), acc, step
-        if acc < schedule.stop_at:
-            lo, below = mid + 1, (step, acc)
+        if acc >= schedule.stop_at:
+            hi, above, found = mid, (step, acc), (step, acc, weights)
         else:
-            hi, above = mid, (step, acc)
+            lo, below = mid + 1, (step, acc)
+    if found is not None and found[1] <= schedule.cap:
+        model.load_state_dict(found[2])
+        return model.eval(), found[1], found[0]
     raise PretrainError(
         f"the student jumped over the band [{schedule.stop_at}, {schedule.cap}] in one step (exact match "
         f"{below[1]:.3f} at step {below[0]}, {above[1]:.3f} at step {above[0]}); lower student_schedule.lr "
