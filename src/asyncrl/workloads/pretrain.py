@@ -130,7 +130,10 @@ def pretrain(
     """Train (or reuse) the teacher/student pair for ``task`` with ``preset``; see the module doc."""
     t0 = time.perf_counter()
     task_obj = get_task(task)
-    preset_obj = get_preset(preset).for_task(task_obj.name)
+    try:
+        preset_obj = get_preset(preset).for_task(task_obj.name)
+    except ValueError as err:
+        raise PretrainError(str(err)) from None
     root = run_dir_for(task_obj.name, preset_obj.name, seed, cache_dir)
     teacher_dir, student_dir = root / "teacher", root / "student"
     log = _printer(progress)
