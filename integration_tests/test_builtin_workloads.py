@@ -24,12 +24,24 @@ BUILTIN_TASKS = TASKS.names()
 TINY_PRESETS = ("tiny", "tiny-gpt2")
 
 
+def _budgeted(preset: str, task: str) -> bool:
+    """False where the preset refuses the task up front (``Preset.per_task[task]`` is a reason)."""
+    return not isinstance(get_preset(preset).per_task.get(task), str)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 @pytest.mark.parametrize("task", BUILTIN_TASKS)
-def test_tiny_presets_pretrain_every_task_into_its_targets(task: str, preset: str) -> None:
-    from asyncrl.workloads.pretrain import pretrain
+def test_tiny_presets_pretrain_every_task_into_its_targets(task: str, preset: str, tmp_path) -> None:
+    from asyncrl.workloads.pretrain import PretrainError, pretrain
 
+    if not _budgeted(preset, task):  # refused at once, naming the knob, nothing trained or cached
+        with pytest.raises(
+            PretrainError, match=rf"no pretraining budget for task '{task}'.*Preset\.per_task"
+        ):
+            pretrain(task=task, preset=preset, cache_dir=tmp_path, seed=0, progress=False)
+        assert not any(tmp_path.iterdir())
+        return
     res = pretrain(task=task, preset=preset, cache_dir=CACHE, seed=0, progress=False)
     p = get_preset(preset).for_task(task)
     assert res.teacher_accuracy >= p.teacher_schedule.stop_at
@@ -47,6 +59,10 @@ def test_demo_path_sizes_generation_from_each_task(task: str, ray_local, tmp_pat
     argv = ["demo", "--quiet", "--task", task, "--preset", "tiny", "--steps", "2", "--cache-dir", str(CACHE)]
     argv += ["--run-root", str(root), "train.batch_size=8", "train.eval_every=2", "train.eval_size=32"]
     argv += ["telemetry.tensorboard=false"]
+    if not _budgeted("tiny", task):
+        assert main(argv) == 1
+        assert "no pretraining budget" in capsys.readouterr().err
+        return
     assert main(argv) == 0
     budget = get_task(task).max_answer_chars + 1  # char tokenizer: one token per character, + EOS
     for label in ("sync", "async"):

@@ -149,6 +149,8 @@ def test_for_task_applies_only_that_tasks_overrides() -> None:
     assert rs.student != tiny.student and rs.teacher == tiny.teacher and rs.per_task == {}
     long = tiny.for_task("running_sum_long")
     assert long.teacher.max_positions >= 2 * 129 + 1  # prompt + answer + EOS + <bos>
+    with pytest.raises(ValueError, match=r"no pretraining budget for task 'reverse'.*per_task\['reverse'\]"):
+        tiny.for_task("reverse")
     with pytest.raises(ValueError, match=r"per_task\['x'\] sets \['students'\]"):
         dataclasses.replace(tiny, per_task={"x": {"students": tiny.student}})
 
