@@ -1,12 +1,15 @@
 """Supervised pretraining of the built-in teacher and student, cached on disk.
 
-``pretrain(task, preset)`` trains a teacher to >= 95 % greedy exact match on the task's eval
-split and a deliberately weaker student (a smaller model stopped early, at roughly 20-50 %),
-so on-policy distillation has a real gap to close. Both are saved as plain HF checkpoints
-under ``cache_dir/<task>-<preset>-s<seed>/{teacher,student}`` and reused by later calls.
+``pretrain(task, preset)`` trains a teacher to its ``stop_at`` greedy exact match on the task's
+eval split (0.97 for the char presets) and a deliberately weaker student (a smaller model
+stopped early, inside a band such as 20-50 %), so on-policy distillation has a real gap to
+close. Both are saved as plain HF checkpoints under
+``cache_dir/<task>-<preset>-s<seed>/{teacher,student}`` and reused by later calls (each role
+by its own fingerprint: model spec, schedule, tokenizer).
 
-Objective (teacher forcing on ``<bos> prompt answer <eos>``, loss on answer + EOS only):
-    L(theta) = - mean over answer tokens y_t of log pi_theta(y_t | <bos>, prompt, y_<t)
+Objective (teacher forcing on ``prompt answer <eos>``, loss on answer + EOS only; the prompt
+tokens are ``<bos>`` + text for the char tokenizer, a ChatML user turn for Qwen's):
+    L(theta) = - mean over answer tokens y_t of log pi_theta(y_t | prompt, y_<t)
 Sequences are right-padded and run without an attention mask: under causal attention no
 valid token sees the trailing pads, and their positions are excluded from the loss.
 
