@@ -251,35 +251,25 @@ def build_model(
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     ids = {"pad_token_id": pad_id, "bos_token_id": bos_id, "eos_token_id": eos_id}
-    if spec.arch == "qwen3":
+    if spec.arch in ("llama", "qwen3"):
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
-        config = Qwen3Config(
-            vocab_size=vocab_size,
-            hidden_size=spec.hidden,
-            intermediate_size=spec.intermediate,
-            num_hidden_layers=spec.layers,
-            num_attention_heads=spec.heads,
-            num_key_value_heads=spec.heads,
-            head_dim=spec.hidden // spec.heads,
-            max_position_embeddings=spec.max_positions,
-            tie_word_embeddings=True,
+        decoder = {  # the same SwiGLU decoder shape in both families
+            "vocab_size": vocab_size,
+            "hidden_size": spec.hidden,
+            "intermediate_size": spec.intermediate,
+            "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads,
+            "num_key_value_heads": spec.heads,
+            "max_position_embeddings": spec.max_positions,
             **ids,
-        )
-        cls = Qwen3ForCausalLM
-    elif spec.arch == "llama":
-        config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=spec.hidden,
-            intermediate_size=spec.intermediate,
-            num_hidden_layers=spec.layers,
-            num_attention_heads=spec.heads,
-            num_key_value_heads=spec.heads,
-            max_position_embeddings=spec.max_positions,
-            tie_word_embeddings=False,
-            **ids,
-        )
-        cls = LlamaForCausalLM
+        }
+        if spec.arch == "qwen3":
+            head_dim = spec.hidden // spec.heads
+            config = Qwen3Config(**decoder, head_dim=head_dim, tie_word_embeddings=True)
+            cls = Qwen3ForCausalLM
+        else:
+            config, cls = LlamaConfig(**decoder, tie_word_embeddings=False), LlamaForCausalLM
     else:
         config = GPT2Config(
             vocab_size=vocab_size,
