@@ -42,7 +42,9 @@ def _check_run(result, cfg, steps: int) -> None:
     metrics = read_metrics(result.run_dir)
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == steps and all(loss == loss for loss in losses)  # finite, one per step
-    assert [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    # greedy eval decodes answers through the BPE and checks them: the pretrained student (~0.27)
+    accuracy = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    assert accuracy and accuracy[0] > 0.05
 
 
 def test_qwen_vocab_opd_forward_kl_topk(ray_local, qwen_pair, tmp_path):
@@ -91,8 +93,7 @@ def test_qwen_vocab_grpo(ray_local, qwen_pair, tmp_path):
     )
     result = run(cfg)
     _check_run(result, cfg, 2)
-    kept = read_samples(result.run_dir)
-    assert kept["reward"].between(0, 1).all() and kept["reward"].max() == 1.0  # answers parse through the BPE
+    assert set(read_samples(result.run_dir)["reward"]) <= {0.0, 1.0}  # exact-match rewards, sampled at tau=1
 
 
 def test_qwen_pair_eval_cli_matches_pretraining(qwen_pair, capsys):
