@@ -28,7 +28,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.config import load_config
 from asyncrl.pipeline import cache_options, check_build, load_examples, prompt_blocks, resolve_models, run
-from asyncrl.rollout import batch_seed, pad_rollout
+from asyncrl.stages import batch_seed, pad_rollout
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_async.yaml"
 

@@ -16,7 +16,7 @@ from conftest import tiny_config
 
 from asyncrl.pipeline import RAY_ENV, read_samples, run
 from asyncrl.raysetup import runtime_env
-from asyncrl.rollout import CRASH_ENV
+from asyncrl.stages import CRASH_ENV
 
 pytestmark = pytest.mark.ray
 

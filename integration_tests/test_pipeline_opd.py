@@ -32,7 +32,7 @@ def plain_loop_losses(cfg) -> list[float]:
     from asyncrl.caches import CACHES, score_teacher
     from asyncrl.engines.hf import HFEngine
     from asyncrl.pipeline import cache_options
-    from asyncrl.rollout import batch_seed, pad_to
+    from asyncrl.stages import batch_seed, pad_to
 
     torch.manual_seed(cfg.seed)
     models = resolve_models(cfg)

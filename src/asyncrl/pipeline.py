@@ -313,8 +313,7 @@ def build_dataset(
 ) -> Any:
     import ray.data
 
-    from asyncrl.rollout import Generate, ScoreReward
-    from asyncrl.teacher import ScoreTeacher
+    from asyncrl.stages import Generate, ScoreReward, ScoreTeacher
 
     pc = cfg.pipeline
     ctx = ray.data.DataContext.get_current()

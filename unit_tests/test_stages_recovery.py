@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncrl import records as R
-from asyncrl import rollout
+from asyncrl import stages
 from asyncrl.engines import EngineDeadError, SamplingParams
 
 
@@ -38,8 +38,8 @@ class DeadEngine:
         raise EngineDeadError("engine core died")
 
 
-def stage(store: Store, max_engine_restarts: int) -> rollout.Generate:
-    g = rollout.Generate.__new__(rollout.Generate)
+def stage(store: Store, max_engine_restarts: int) -> stages.Generate:
+    g = stages.Generate.__new__(stages.Generate)
     g.engine, g.store, g.seed, g.admit_timeout_s = DeadEngine(), store, 0, 1.0
     g.params = SamplingParams(max_new_tokens=4)
     g.have_version, g.admissions, g.crash_at, g.max_engine_restarts = -1, 0, None, max_engine_restarts
@@ -61,7 +61,7 @@ def test_dead_engine_restarts_the_actor_then_fails_the_run(monkeypatch):
         exits.append(code)
         raise SystemExit(code)
 
-    monkeypatch.setattr(rollout, "_exit_process", fake_exit)
+    monkeypatch.setattr(stages, "_exit_process", fake_exit)
     store = Store()
     g = stage(store, max_engine_restarts=2)
     for _ in range(2):  # each death within the budget exits the process (Ray restarts it)
@@ -74,6 +74,6 @@ def test_dead_engine_restarts_the_actor_then_fails_the_run(monkeypatch):
 
 
 def test_no_restarts_allowed_fails_at_the_first_death(monkeypatch):
-    monkeypatch.setattr(rollout, "_exit_process", lambda code: pytest.fail("must not exit"))
+    monkeypatch.setattr(stages, "_exit_process", lambda code: pytest.fail("must not exit"))
     with pytest.raises(RuntimeError, match="max_engine_restarts=0"):
         stage(Store(), max_engine_restarts=0)(block())

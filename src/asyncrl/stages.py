@@ -1,4 +1,11 @@
-"""The generation stage of the Ray Data graph: ``map_batches(Generate, actor pool)``.
+"""The Ray Data stages of the pipeline: callable classes that hold a model once per actor.
+
+- ``Generate``: ``map_batches(Generate, actor pool)``, the rollout stage (below).
+- ``ScoreTeacher``: ``map_batches(ScoreTeacher, actor pool)``, the OPD scoring stage.
+- ``ScoreReward``: the RL scoring stage (task reward), also used by ``ScoreTeacher`` for
+  accuracy telemetry.
+
+Generation:
 
 Each call turns one block of prompt rows (one learner step's worth of samples for one
 learner worker) into rollouts. Before generating it asks the PolicyStore for admission
@@ -19,6 +26,7 @@ import numpy as np
 import torch
 
 from asyncrl import records as R
+from asyncrl.caches import CACHES, score_teacher
 from asyncrl.coordinator import PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
@@ -195,4 +203,51 @@ class ScoreReward:
         out = dict(batch)
         out[R.REWARD] = self.rewards(batch)
         out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
+        return out
+
+
+class ScoreTeacher:
+    """Ray Data actor UDF holding the teacher model for the actor's lifetime.
+
+    The teacher is frozen, so its scores never go stale: only which tokens get scored depends on
+    the (possibly stale) student that generated them. One teacher forward over prompt +
+    completion keeps only the finite record its TeacherCache kind declares (top-k, scores at the
+    behavior MC samples, the generated token, teacher samples), never the full [B, T, V] logits.
+    It also scores the task reward, for accuracy telemetry.
+    """
+
+    def __init__(
+        self,
+        *,
+        teacher_dir: str,
+        cache: str,
+        cache_options: dict[str, Any],
+        task: str,
+        seed: int,
+        torch_threads: int = 1,
+        device: str = "cpu",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(torch_threads)
+        model = AutoModelForCausalLM.from_pretrained(teacher_dir, local_files_only=True)
+        self.model = model.to(device).eval()  # score_teacher moves each batch to the model's device
+        self.cache = CACHES.get(cache)(**cache_options)
+        self.reward = ScoreReward(task=task, tokenizer_dir=teacher_dir)
+        self.seed = seed
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if len(batch[R.SAMPLE_ID]) == 0:
+            return batch
+        t0 = time.perf_counter()
+        tensors = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
+        scores = score_teacher(
+            self.model, tensors, self.cache, seed=batch_seed(self.seed + 1, batch[R.SAMPLE_ID])
+        )
+        out = dict(batch)
+        out.update(R.to_numpy(scores))
+        out[R.REWARD] = self.reward.rewards(batch)
+        out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
+        out["score_time_s"] = np.full(len(out[R.REWARD]), time.perf_counter() - t0, dtype=np.float64)
+        out["score_done_at"] = np.full(len(out[R.REWARD]), time.time(), dtype=np.float64)
         return out
