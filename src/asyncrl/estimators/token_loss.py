@@ -1,4 +1,5 @@
-"""Masked reduction of a per-position loss [B, T] to the scalar an Estimator returns.
+"""TokenLossEstimator, the base of the built-in estimators, and the masked reduction it applies.
+
 
 Why one place: every estimator must mask padding the same way, multiply the controllers'
 detached token weights the same way and normalise by the same count, or two estimators with
