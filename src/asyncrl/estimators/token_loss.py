@@ -1,6 +1,5 @@
 """TokenLossEstimator, the base of the built-in estimators, and the masked reduction it applies.
 
-
 Why one place: every estimator must mask padding the same way, multiply the controllers'
 detached token weights the same way and normalise by the same count, or two estimators with
 "the same" loss would train at different effective learning rates. ``TokenLossEstimator`` is
