@@ -22,6 +22,7 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.metadata import version as dist_version
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-import asyncrl
 from asyncrl.telemetry import names
 from asyncrl.telemetry.sinks import read_metrics, read_samples, read_summary
 from asyncrl.telemetry.staleness import lag_bucket
@@ -478,7 +478,7 @@ def render_report(runs: Sequence[str | Path | RunRecords], *, title: str | None 
         '<p id="images-warning">Some plots failed to load.</p>',
         "<p class='caption'>Runs: "
         + ", ".join(f"<b>{html.escape(r.name)}</b> ({html.escape(str(r.path))})" for r in records)
-        + f". asyncrl {html.escape(asyncrl.__version__)}.</p>",
+        + f". asyncrl {html.escape(dist_version('asyncrl'))}.</p>",
         "<h2>Summary</h2>",
         _summary_table(records),
         "<h2>Settings</h2>",
