@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.cli import _first_doc_line
-from asyncrl.pipeline import check_build
+from asyncrl.plan import check_components
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -45,7 +45,7 @@ def test_plain_loop_loss_goes_down(capsys: pytest.CaptureFixture[str]) -> None:
     ("name", "algo", "preset"),
     [
         ("opd_quickstart", "opd", "tiny"),
-        ("grpo_quickstart", "grpo", "tiny"),
+        ("grpo_quickstart", "rl", "tiny"),
         ("submit_to_cluster", "opd", "tiny"),
     ],
 )
@@ -53,7 +53,7 @@ def test_pipeline_examples_build_valid_small_configs(name: str, algo: str, prese
     module = _load(name)
     cfg = module.build_config(["train.steps=2"])
     assert (cfg.algo, cfg.workload.preset, cfg.train.steps) == (algo, preset, 2)
-    check_build(cfg, None)
+    check_components(cfg, None)
     if name == "submit_to_cluster":
         assert cfg.pipeline.ray_address == "auto"
 

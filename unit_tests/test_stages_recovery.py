@@ -18,9 +18,9 @@ class Store:
         self.deaths = 0
         self.keys: list[int] = []
 
-    def acquire(self, n, timeout_s, key=None):
-        self.keys.append(key)
-        return 0, 0
+    def acquire(self, n, block_index, timeout_s):
+        self.keys.append(block_index)
+        return {"ticket": block_index, "version": 0, "expected_version": 0, "behavior_version": None}
 
     def latest(self, have):
         return 0, None
@@ -49,6 +49,7 @@ def stage(store: Store, max_engine_restarts: int) -> stages.Generate:
 def block() -> dict[str, np.ndarray]:
     return {
         R.SAMPLE_ID: np.arange(8, 12),
+        R.BLOCK_INDEX: np.full(4, 2),
         R.PROMPT_IDS: np.ones((4, 3), dtype=np.int64),
         R.PROMPT_MASK: np.ones((4, 3), dtype=bool),
     }
@@ -67,7 +68,7 @@ def test_dead_engine_restarts_the_actor_then_fails_the_run(monkeypatch):
     for _ in range(2):  # each death within the budget exits the process (Ray restarts it)
         with pytest.raises(SystemExit):
             g(block())
-    assert exits == [1, 1] and store.keys == [8, 8]  # the retried block keeps its admission key
+    assert exits == [1, 1] and store.keys == [2, 2]  # the retried block asks for its own index again
     with pytest.raises(RuntimeError, match=r"died 3 times.*pipeline\.max_engine_restarts=2"):
         g(block())
     assert exits == [1, 1]

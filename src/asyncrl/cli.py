@@ -78,10 +78,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def _check_pairings(cfg: Any) -> None:
     """The checks the pipeline makes when it is built (estimator/cache/engine pairings), without Ray."""
-    from asyncrl.pipeline import check_build
+    from asyncrl.plan import check_components
 
     try:
-        check_build(cfg, None)
+        check_components(cfg, None)
     except (ValueError, ImportError) as err:  # ConfigError is a ValueError; ImportError names the extra
         raise CLIError(str(err), EXIT_USAGE) from None
 
@@ -453,6 +453,9 @@ def _one_line(err: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncrl`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    from asyncrl.raysetup import apply_env
+
+    apply_env()  # offline hub, no Ray usage stats: before torch/transformers/Ray are imported
     if not hasattr(args, "quiet"):
         args.quiet = False
     if os.environ.get("ASYNCRL_DEBUG"):

@@ -127,7 +127,13 @@ class Generate:
         )
         _exit_process(1)
 
-    def _sync_weights(self) -> None:
+    def _sync_weights(self, pinned: int | None) -> None:
+        """Load the weights a controller pinned for this block, or the latest if newer than ours."""
+        if pinned is not None:
+            if pinned != self.have_version:
+                self.engine.load_weights(self.store.weights_at(pinned), pinned)
+                self.have_version = pinned
+            return
         version, state = self.store.latest(self.have_version)
         if state is not None:
             self.engine.load_weights(state, version)
@@ -136,20 +142,19 @@ class Generate:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch[R.SAMPLE_ID])
         t_wait = time.perf_counter()
-        # keyed by the block's first sample id: if this actor dies and Ray Data retries the block
-        # on a restarted actor, the retry reuses the block's admission instead of leaking budget
-        key = int(np.min(batch[R.SAMPLE_ID]))
-        admitted = self.store.acquire(n, timeout_s=self.admit_timeout_s, key=key)
+        # blocks are admitted in stream order by index; a retry of this block (the actor died and
+        # Ray Data re-ran it on a restarted actor) gets its admission back instead of new budget
+        block = int(np.asarray(batch[R.BLOCK_INDEX])[0])
+        admitted = self.store.acquire(n, block, timeout_s=self.admit_timeout_s)
         if admitted is None:  # the run finished while we waited: emit nothing
             return {k: v[:0] for k, v in batch.items()}
-        ticket, _ = admitted
         self.admissions += 1
         if self.crash_at and self.admissions == self.crash_at[1] and not self.crash_at[0].exists():
             self.crash_at[0].touch()
             _exit_process(1)
         t_start = time.perf_counter()
         try:
-            self._sync_weights()
+            self._sync_weights(admitted["behavior_version"])
             out = self.engine.generate(
                 torch.from_numpy(np.asarray(batch[R.PROMPT_IDS])),
                 torch.from_numpy(np.asarray(batch[R.PROMPT_MASK])).bool(),
@@ -171,7 +176,7 @@ class Generate:
         vlast = torch.where(empty, torch.full_like(vlast, self.engine.version), vlast)
         result[R.VERSION_FIRST] = vfirst.to(torch.int64)
         result[R.VERSION_LAST] = vlast.to(torch.int64)
-        result["ticket"] = np.full(n, ticket, dtype=np.int64)
+        result["ticket"] = np.full(n, admitted["ticket"], dtype=np.int64)
         result["gen_wait_s"] = np.full(n, t_start - t_wait, dtype=np.float64)
         result["gen_time_s"] = np.full(n, time.perf_counter() - t_start, dtype=np.float64)
         result["gen_done_at"] = np.full(n, time.time(), dtype=np.float64)
