@@ -237,28 +237,7 @@ def test_y_vs_x_on_categorical_x_and_nothing_recorded() -> None:
     assert plot_curves({"g": {"0": [(np.zeros(0), np.zeros(0))]}}, "loss", line_key="lag") is None
 
 
-def test_every_image_of_the_sweep_report_loads_in_headless_chromium(study, tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import tempfile
+def test_every_image_of_the_sweep_report_loads_in_headless_chromium(study) -> None:
+    from test_report_html import assert_images_load_in_chromium
 
-    from test_report_html import _chromium, _chromium_flags
-
-    browser = _chromium()
-    if browser is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is required under CI (apt-get install -y chromium)")
-        pytest.skip("chromium not installed (apt-get install -y chromium)")
-    report = aggregate_sweep(study).report
-    n_images = report.read_text().count("<img")
-    with tempfile.TemporaryDirectory() as profile:
-        proc = subprocess.run(
-            [*_chromium_flags(browser, profile), report.resolve().as_uri()],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    body = re.search(r"<body[^>]*>", proc.stdout)
-    assert body is not None and f'data-images-loaded="{n_images}/{n_images}"' in body.group()
-    assert 'data-images-ok="true"' in body.group()
+    assert_images_load_in_chromium(aggregate_sweep(study).report)
