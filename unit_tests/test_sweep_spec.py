@@ -172,6 +172,11 @@ def test_examples_are_valid_sweeps() -> None:
             "pipeline.max_lag",
         ),
         ({"aggregate": {"y": ["final:"]}}, "aggregate.y[0]", "final:<metric>"),
+        (
+            {"aggregate": {"y": ["eval_acuracy_final"]}},
+            "aggregate.y[0]",
+            "did you mean 'eval_accuracy_final'",
+        ),
         ({"gird": {"train.lr": [0.1]}}, "", "did you mean 'grid'"),
     ],
 )

@@ -39,6 +39,7 @@ point x one seed; it runs ``base + overrides + variant + grid point + seed`` in
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import itertools
 import json
@@ -329,15 +330,17 @@ def _resolve_aggregate(
             f"swept keys {left} are neither x nor grouped; add them to group_by (plots never average over a "
             "swept key)",
         )
-    summary_like = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+    figures = [k for k in names.SUMMARY_KEYS if k not in ("algo", "estimator", "run_dir")]
     for i, col in enumerate(agg.y):
         prefix, sep, metric = col.partition(":")
-        if (sep and prefix in ("final", "mean") and metric) or (not sep and summary_like.match(col)):
+        if (sep and prefix in ("final", "mean") and metric) or (not sep and col in figures):
             continue
+        close = difflib.get_close_matches(col, figures, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise _fail(
             path,
             f"aggregate.y[{i}]",
-            f"got {col!r}; use a summary.json figure (e.g. eval_accuracy_final) or final:<metric> / "
+            f"got {col!r}; {hint}use a summary.json figure ({', '.join(figures)}) or final:<metric> / "
             "mean:<metric> (e.g. final:loss)",
         )
     return x, tuple(group_by)
