@@ -126,8 +126,17 @@ def plot_y_vs_x(
         means = pd.to_numeric(rows[mean_col], errors="coerce").to_numpy(float)
         stds = pd.to_numeric(rows[std_col], errors="coerce").to_numpy(float)
         label = group_label(rows.iloc[0], group_by) or y
-        ax.errorbar(xs, means, yerr=np.where(np.isfinite(stds), stds, 0.0), color=color(i), marker="o",
-                    ms=4, capsize=3, lw=1.6, label=label)  # fmt: skip
+        ax.errorbar(
+            xs,
+            means,
+            yerr=np.where(np.isfinite(stds), stds, 0.0),
+            color=color(i),
+            marker="o",
+            ms=4,
+            capsize=3,
+            lw=1.6,
+            label=label,
+        )
         if y in cells:
             mine = cells
             for k in group_by:
@@ -169,8 +178,15 @@ def plot_curves(curves: Curves, metric: str, *, line_key: str) -> Figure | None:
             if not len(steps):
                 continue
             name = f"{line_key}={label}" if line_key else label
-            ax.plot(steps, mean, color=color(i), lw=1.6, label=f"{name} (n={int(n.max())})",
-                    marker="o" if len(steps) < 4 else None, ms=3)  # fmt: skip
+            ax.plot(
+                steps,
+                mean,
+                color=color(i),
+                lw=1.6,
+                label=f"{name} (n={int(n.max())})",
+                marker="o" if len(steps) < 4 else None,
+                ms=3,
+            )
             band = np.isfinite(std)
             if band.any():
                 ax.fill_between(
