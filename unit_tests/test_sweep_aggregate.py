@@ -241,3 +241,14 @@ def test_every_image_of_the_sweep_report_loads_in_headless_chromium(study) -> No
     from test_report_html import assert_images_load_in_chromium
 
     assert_images_load_in_chromium(aggregate_sweep(study).report)
+
+
+def test_names_list_every_summary_figure(tmp_path: Path) -> None:
+    """``aggregate.y`` is checked against ``names.SUMMARY_KEYS``: it holds every key the pipeline writes."""
+    from asyncrl.telemetry.summary import summarize
+
+    run = write_fake_run(tmp_path / "r", max_lag=2, steps=4)
+    summary = summarize(
+        run, algo="opd", estimator="forward_kl", max_lag=2, teacher_accuracy=0.9, wall_s=1.0, store_stats={}
+    )
+    assert set(summary) <= set(names.SUMMARY_KEYS), set(summary) - set(names.SUMMARY_KEYS)

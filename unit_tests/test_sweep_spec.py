@@ -131,9 +131,11 @@ def test_examples_are_valid_sweeps() -> None:
     assert names["reverse_kl_mc_stale"].estimator.options["advantage"] == "stale"
     assert names["reverse_kl_mc_online"].estimator.options["advantage"] == "online"
     assert names["forward_kl_topk"].estimator.name == "forward_kl"
+    assert all(c.config.pipeline.lag_mode == "fixed" for c in kl.cells)  # the x axis is the lag itself
     assert names["reverse_kl_topk"].estimator.name == "reverse_kl"
     lr = load_sweep(SWEEPS / "lr_x_lag.yaml")
     assert len(lr.cells) == 4 * 4 * 3 and {c.config.train.lr for c in lr.cells} == {1e-4, 3e-4, 1e-3, 3e-3}
+    assert all(c.config.pipeline.lag_mode == "fixed" for c in lr.cells)
     tiny = load_sweep(SWEEPS / "tiny.yaml")
     assert [c.key for c in tiny.cells] == ["pipeline.max_lag=0__seed=0", "pipeline.max_lag=2__seed=0"]
     assert all(c.config.workload.preset == "tiny" and c.config.train.steps <= 3 for c in tiny.cells)

@@ -347,10 +347,11 @@ def _resolve_aggregate(
 
 
 def _check_cell(cfg: RunConfig) -> None:
-    """The pipeline's build checks without models or Ray (pairings, MC samples, divisibility)."""
-    from asyncrl.pipeline import check_build
+    """The pipeline's checks without models or Ray (pairings, MC samples, divisibility), as
+    ``asyncrl validate`` makes them."""
+    from asyncrl.plan import check_components
 
-    check_build(cfg, None)
+    check_components(cfg, None)
 
 
 def load_sweep(
