@@ -27,8 +27,10 @@ import torch
 
 from asyncrl import records as R
 from asyncrl.config import load_config
-from asyncrl.pipeline import cache_options, check_build, load_examples, prompt_blocks, resolve_models, run
-from asyncrl.rollout import batch_seed, pad_rollout
+from asyncrl.estimators import build as build_estimator
+from asyncrl.pipeline import run
+from asyncrl.plan import load_examples, make_plan, prompt_blocks
+from asyncrl.stages import batch_seed, pad_rollout
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_async.yaml"
 
@@ -42,9 +44,10 @@ def plain_loop(cfg, warmup: int = 2) -> dict[str, float]:
 
     torch.set_num_threads(cfg.pipeline.torch_threads)
     torch.manual_seed(cfg.seed)
-    models = resolve_models(cfg)
-    estimator, kind = check_build(cfg, models)
-    cache = CACHES.get(kind)(**cache_options(cfg, kind))
+    plan = make_plan(cfg)
+    models = plan.models
+    estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
+    cache = CACHES.get(plan.cache_kind)(**plan.cache_options)
     tok = AutoTokenizer.from_pretrained(models.student_dir)
     student = AutoModelForCausalLM.from_pretrained(models.student_dir, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(models.teacher_dir, dtype=torch.float32).eval()

@@ -47,8 +47,7 @@ def small_pair():
 def ray_local():
     import ray
 
-    from asyncrl.pipeline import RAY_ENV
-    from asyncrl.raysetup import runtime_env
+    from asyncrl.raysetup import RAY_ENV, runtime_env
 
     # the Ray Data tick users get (pipeline.data_tick_s default), so tests run what users run
     ray.init(num_cpus=4, include_dashboard=False, runtime_env=runtime_env(RAY_ENV))

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import CACHE, REPO, tiny_config
 
-from asyncrl.pipeline import RAY_ENV, read_samples, run
+from asyncrl.pipeline import run
+from asyncrl.raysetup import RAY_ENV
+from asyncrl.telemetry.summary import read_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

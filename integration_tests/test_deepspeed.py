@@ -21,7 +21,8 @@ from conftest import tiny_config
 from safetensors.torch import load_file
 
 from asyncrl.learner import backend_shard_name, latest_checkpoint
-from asyncrl.pipeline import read_metrics, run
+from asyncrl.pipeline import run
+from asyncrl.telemetry.sinks import read_metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from asyncrl.pipeline import RAY_ENV, read_samples, run
-from asyncrl.raysetup import runtime_env
-from asyncrl.rollout import CRASH_ENV
+from asyncrl.pipeline import run
+from asyncrl.raysetup import RAY_ENV, runtime_env
+from asyncrl.stages import CRASH_ENV
+from asyncrl.telemetry.summary import read_samples
 
 pytestmark = pytest.mark.ray
 

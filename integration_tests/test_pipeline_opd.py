@@ -12,15 +12,10 @@ import torch
 from conftest import tiny_config
 
 from asyncrl import records as R
-from asyncrl.pipeline import (
-    check_build,
-    load_examples,
-    prompt_blocks,
-    read_metrics,
-    read_samples,
-    resolve_models,
-    run,
-)
+from asyncrl.pipeline import run
+from asyncrl.plan import load_examples, make_plan, prompt_blocks
+from asyncrl.telemetry.sinks import read_metrics
+from asyncrl.telemetry.summary import read_samples
 
 pytestmark = pytest.mark.ray
 
@@ -31,13 +26,14 @@ def plain_loop_losses(cfg) -> list[float]:
 
     from asyncrl.caches import CACHES, score_teacher
     from asyncrl.engines.hf import HFEngine
-    from asyncrl.pipeline import cache_options
-    from asyncrl.rollout import batch_seed, pad_to
+    from asyncrl.estimators import build
+    from asyncrl.stages import batch_seed, pad_to
 
     torch.manual_seed(cfg.seed)
-    models = resolve_models(cfg)
-    estimator, kind = check_build(cfg, models)
-    cache = CACHES.get(kind)(**cache_options(cfg, kind))
+    plan = make_plan(cfg)
+    models = plan.models
+    estimator = build(cfg.estimator.name, dict(cfg.estimator.options))
+    cache = CACHES.get(plan.cache_kind)(**plan.cache_options)
     tok = AutoTokenizer.from_pretrained(models.student_dir)
     student = AutoModelForCausalLM.from_pretrained(models.student_dir, dtype=torch.float32)
     teacher = AutoModelForCausalLM.from_pretrained(models.teacher_dir, dtype=torch.float32).eval()

@@ -16,7 +16,10 @@ import pytest
 from conftest import CACHE, tiny_config
 
 from asyncrl.cli import main
-from asyncrl.pipeline import load_examples, prompt_blocks, read_metrics, read_samples, run
+from asyncrl.pipeline import run
+from asyncrl.plan import load_examples, prompt_blocks
+from asyncrl.telemetry.sinks import read_metrics
+from asyncrl.telemetry.summary import read_samples
 from asyncrl.workloads.tokenizer import QWEN_MODEL_VOCAB
 
 pytestmark = pytest.mark.ray

@@ -11,7 +11,10 @@ from conftest import tiny_config
 
 from asyncrl.coordinator import CoordinatorError, PolicyStoreClient
 from asyncrl.learner import latest_checkpoint
-from asyncrl.pipeline import read_metrics, read_samples, resolve_models, run
+from asyncrl.pipeline import run
+from asyncrl.plan import resolve_models
+from asyncrl.telemetry.sinks import read_metrics
+from asyncrl.telemetry.summary import read_samples
 
 pytestmark = pytest.mark.ray
 
@@ -98,4 +101,4 @@ def test_vocab_mismatch_fails_at_build(tiny_pair, tmp_path):
         tmp_path / "run", f"workload.teacher_path={bad}", f"workload.student_path={tiny_pair.student_dir}"
     )
     with pytest.raises(ValueError, match=r"(?i)tokenizer|vocab"):
-        resolve_models(cfg)
+        resolve_models(cfg, rl=False)

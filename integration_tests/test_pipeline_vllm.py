@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from asyncrl.pipeline import read_samples, run
+from asyncrl.pipeline import run
+from asyncrl.telemetry.summary import read_samples
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = [

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.cli import _first_doc_line
-from asyncrl.pipeline import check_build
+from asyncrl.plan import check_components
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -41,11 +41,20 @@ def test_plain_loop_loss_goes_down(capsys: pytest.CaptureFixture[str]) -> None:
     assert "forward KL (top-8)" in capsys.readouterr().out
 
 
+def test_loss_step_loop_example_trains_with_stale_batches() -> None:
+    results = _load("loss_step_loop").main(steps=12, batch_size=16, max_lag=2, verbose=False)
+    lags = [int(r.lags_global.max()) for r in results]
+    assert max(lags) == 2 and all(r.stepped for r in results)  # the chain kept lag <= 2, every step taken
+    assert sum(r.loss for r in results[-3:]) < sum(r.loss for r in results[:3])
+    stale = [r for r, lag in zip(results, lags) if lag > 0]
+    assert any(r.lr_applied < r.lr_scheduled for r in stale)  # ess_lr shrank the LR on stale batches
+
+
 @pytest.mark.parametrize(
     ("name", "algo", "preset"),
     [
         ("opd_quickstart", "opd", "tiny"),
-        ("grpo_quickstart", "grpo", "tiny"),
+        ("grpo_quickstart", "rl", "tiny"),
         ("submit_to_cluster", "opd", "tiny"),
     ],
 )
@@ -53,7 +62,7 @@ def test_pipeline_examples_build_valid_small_configs(name: str, algo: str, prese
     module = _load(name)
     cfg = module.build_config(["train.steps=2"])
     assert (cfg.algo, cfg.workload.preset, cfg.train.steps) == (algo, preset, 2)
-    check_build(cfg, None)
+    check_components(cfg, None)
     if name == "submit_to_cluster":
         assert cfg.pipeline.ray_address == "auto"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import RunConfig, load_config
-from asyncrl.pipeline import check_build
+from asyncrl.plan import check_components
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 SHIPPED = ("grpo.yaml", "opd_async.yaml", "opd_reverse_kl_mc.yaml", "opd_sync.yaml", "opd_tiny.yaml")
@@ -25,7 +25,7 @@ def shipped(request: pytest.FixtureRequest) -> tuple[str, RunConfig]:
 
 def test_loads_and_passes_build_checks(shipped: tuple[str, RunConfig]) -> None:
     name, cfg = shipped
-    check_build(cfg, None)  # estimator/cache/engine pairings, MC samples, batch divisibility
+    check_components(cfg, None)  # estimator/cache/engine pairings, MC samples, batch divisibility
     assert Path(cfg.run_dir).name == Path(name).stem  # each writes its own run directory
 
 
@@ -36,7 +36,7 @@ def test_each_config_is_what_its_name_says() -> None:
     # the sync baseline differs from the async run only in the bound and the run directory
     assert sync.__class__(**{**vars(sync), "run_dir": asyn.run_dir, "pipeline": asyn.pipeline}) == asyn
     grpo = cfg["grpo.yaml"]
-    assert (grpo.algo, grpo.estimator.name) == ("grpo", "grpo") and grpo.train.group_size >= 4
+    assert (grpo.algo, grpo.estimator.name) == ("rl", "grpo") and grpo.train.group_size >= 4
     assert asyn.estimator.name == "forward_kl" and asyn.cache.k >= 1
     rkl = cfg["opd_reverse_kl_mc.yaml"]
     assert rkl.estimator.name == "reverse_kl_mc" and rkl.sampling.mc_samples >= 2

@@ -49,8 +49,9 @@ def test_unknown_keys_fail_with_the_nearest_valid_key(data: dict, field: str, ne
         ({"train": {"batch_size": 30, "group_size": 4}}, "train.batch_size", 30, "multiple of group_size=4"),
         ({"pipeline": {"max_lag": -1}}, "pipeline.max_lag", -1, "0 (synchronous)"),
         ({"pipeline": {"zero_stage": 3}}, "pipeline.zero_stage", 3, "use 1 or 2"),
-        ({"algo": "opdd"}, "algo", "opdd", "did you mean 'opd'"),
-        ({"algo": "grpo"}, "train.group_size", 1, "GRPO needs >= 2"),
+        ({"algo": "grpo"}, "algo", "grpo", "unknown key"),
+        ({"train": {"steps": 10, "minibatches": 4}}, "train.steps", 10, "multiple of minibatches=4"),
+        ({"pipeline": {"lag_mode": "exact"}}, "pipeline.lag_mode", "exact", "['bound', 'fixed']"),
         ({"train": {"steps": "many"}}, "train.steps", "many", "expected an integer"),
         ({"telemetry": {"progress": "maybe"}}, "telemetry.progress", "maybe", "true or false"),
         ({"sampling": {"temperature": -0.5}}, "sampling.temperature", -0.5, "0 (greedy)"),
@@ -171,7 +172,12 @@ def test_validate_prints_the_resolved_config_and_exits_0(capsys: pytest.CaptureF
         (["train.stpes=3"], ["'train.stpes'", "did you mean 'steps'"]),
         (["pipeline.max_lag=-2"], ["'pipeline.max_lag'", "-2", "0 (synchronous)"]),
         (["sampling.mc_samples=0"], ["reverse_kl_mc", "sampling.mc_samples"]),  # pairing checked too
-        (["estimator.name=grpo"], ["algo=opd", "grpo"]),
+        (["estimator.name=grpo"], ["grpo", "train.group_size >= 2"]),
+        (["algo=grpo"], ["algo", "derived from the estimator"]),
+        (
+            ["controllers=[{name: bounded_staleness, options: {max_lag: 5}}]"],
+            ["pipeline.max_lag", "remove it"],
+        ),
     ],
 )
 def test_validate_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv, needles) -> None:

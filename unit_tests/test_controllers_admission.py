@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.controllers import AdmissionBudget, BoundedStaleness, chain
-from asyncrl.controllers.simulate import (
+from asyncrl.simulator import (
     DROPPED_AT_ASSEMBLY,
     DROPPED_ON_ARRIVAL,
     KEPT,

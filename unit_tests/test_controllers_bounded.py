@@ -67,13 +67,25 @@ def test_accept_and_log_counts_violations_exactly():  # 7.1 a (accept_and_log)
     assert ctrl.metrics()["staleness/dropped"] == 0
 
 
-def test_admission_capacity():
+def _req(version: int, expected: int, block: int = 0) -> AdmissionRequest:
+    return AdmissionRequest(
+        n=8, learner_version=version, in_flight=0, batch_size=8, block_index=block, expected_version=expected
+    )
+
+
+def test_admission_bounds_the_expected_lag():
     ctrl = BoundedStaleness(max_lag=2)
-    assert ctrl.admit(AdmissionRequest(n=4, learner_version=0, in_flight=20, batch_size=8))
-    assert not ctrl.admit(AdmissionRequest(n=4, learner_version=0, in_flight=21, batch_size=8))
+    assert ctrl.admit(_req(0, 2)) and not ctrl.admit(_req(0, 3)) and ctrl.admit(_req(5, 7))
     lock = BoundedStaleness(max_lag=0)
-    assert lock.admit(AdmissionRequest(n=8, learner_version=3, in_flight=0, batch_size=8))
-    assert not lock.admit(AdmissionRequest(n=1, learner_version=3, in_flight=8, batch_size=8))
+    assert lock.admit(_req(3, 3)) and not lock.admit(_req(3, 4))
+    assert ctrl.behavior_version(_req(0, 2)) is None  # bound mode: the latest weights
+
+
+def test_fixed_mode_pins_the_behavior_version_s_back():
+    fixed = BoundedStaleness(max_lag=2, mode="fixed")
+    assert fixed.behavior_version(_req(4, 6)) == 4
+    assert fixed.behavior_version(_req(0, 1)) == 0  # the first S batches: version 0
+    assert not fixed.admit(_req(3, 6))  # v4 is not published yet: wait
 
 
 def test_metric_window_resets_after_step_and_totals_persist():

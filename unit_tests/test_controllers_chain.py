@@ -107,7 +107,8 @@ def test_registry_has_the_built_ins_with_matching_config_defaults():
 def test_as_controller_fills_no_ops():
     c = as_controller(Scale(0.5))
     info = SampleInfo(np.arange(3), np.arange(3), np.zeros(3), np.zeros(3))
-    assert c.admit(AdmissionRequest(1, 0, 0, 4)) is True
+    assert c.admit(AdmissionRequest(1, 0, 0, 4, block_index=0, expected_version=0)) is True
+    assert c.behavior_version(AdmissionRequest(1, 0, 0, 4, block_index=0, expected_version=0)) is None
     assert c.keep(info, 0).all()
     grads = [torch.ones(2)]
     c.transform_gradient(grads, ctx())
@@ -131,9 +132,15 @@ def test_chain_combination_rules():
         Recorder("b", log),
     )
     assert c.names == ["scale", "scale_1", "bounded_staleness", "drop_odd", "recorder", "recorder_1"]
-    # admit = AND
-    assert c.admit(AdmissionRequest(n=2, learner_version=0, in_flight=0, batch_size=4))
-    assert not c.admit(AdmissionRequest(n=3, learner_version=0, in_flight=0, batch_size=4))
+
+    # admit = AND: bounded staleness (S = 1) refuses an expected lag of 2
+    def req(expected: int) -> AdmissionRequest:
+        return AdmissionRequest(
+            n=2, learner_version=0, in_flight=0, batch_size=4, block_index=0, expected_version=expected
+        )
+
+    assert c.admit(req(1))
+    assert not c.admit(req(2))
     # keep = AND, widened to groups, drops counted per controller
     info = SampleInfo(np.arange(6), np.array([0, 0, 1, 1, 2, 2]), np.array([5, 5, 5, 5, 2, 5]), np.zeros(6))
     keep = c.keep(info, 5)

@@ -1,6 +1,6 @@
 """Build-time refusals: what an engine cannot serve, and GPU shares a cluster cannot hold, fail
 before any Ray actor starts, with the setting to change (``RolloutEngine.check_supported``,
-``pipeline.check_gpus``)."""
+``plan.check_gpus``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.engines import ENGINES, SamplingParams
 from asyncrl.engines.vllm import INSTALL_HINT
-from asyncrl.pipeline import check_build, check_gpus, generator_engine_options
+from asyncrl.plan import check_components, check_gpus, generator_engine_options
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +67,7 @@ def test_pipeline_refuses_vllm_engine_without_vllm_at_build_time(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     cfg = load_config(REPO / "examples" / "configs" / "opd_tiny.yaml", ["pipeline.engine=vllm"])
     with pytest.raises(ImportError, match=r"scripts/vllm_cpu_env\.sh"):
-        check_build(cfg, None)
+        check_components(cfg, None)
 
 
 def _gpu_cfg(*more: str):
@@ -76,20 +76,20 @@ def _gpu_cfg(*more: str):
 
 def test_check_gpus_counts_every_share_against_the_cluster():
     cfg = _gpu_cfg("pipeline.learner_workers=2", "pipeline.gpus_per_worker=1", "pipeline.gpus_per_actor=0.25")
-    check_gpus(cfg, 2.5)  # 2 x 1 + (1 generator + 1 scorer) x 0.25
+    check_gpus(cfg, 2.5, rl=False)  # 2 x 1 + (1 generator + 1 scorer) x 0.25
     with pytest.raises(ValueError, match=r"reserves 2\.5 GPUs .* has 2: .*gpus_per_worker=0\.5"):
-        check_gpus(cfg, 2.0)
+        check_gpus(cfg, 2.0, rl=False)
     with pytest.raises(ValueError, match=r"has 0: .*pipeline\.device=cpu"):
-        check_gpus(_gpu_cfg(), 0.0)
-    check_gpus(load_config(REPO / "examples" / "configs" / "opd_tiny.yaml"), 0.0)  # cpu needs none
+        check_gpus(_gpu_cfg(), 0.0, rl=False)
+    check_gpus(load_config(REPO / "examples" / "configs" / "opd_tiny.yaml"), 0.0, rl=False)  # cpu needs none
     with pytest.raises(ValueError, match=r"NCCL refuses"):
-        check_gpus(_gpu_cfg("pipeline.learner_workers=2", "pipeline.gpus_per_worker=0.5"), 8.0)
+        check_gpus(_gpu_cfg("pipeline.learner_workers=2", "pipeline.gpus_per_worker=0.5"), 8.0, rl=False)
 
 
 def test_grpo_reward_stage_reserves_no_gpu():
     cfg = load_config(REPO / "examples" / "configs" / "grpo.yaml", ["pipeline.device=cuda"])
     need = cfg.pipeline.gpus_per_worker + cfg.pipeline.generators * cfg.pipeline.gpus_per_actor
-    check_gpus(cfg, need)
+    check_gpus(cfg, need, rl=True)
 
 
 @pytest.mark.parametrize("key", ["gpus_per_worker", "gpus_per_actor"])

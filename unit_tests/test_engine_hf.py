@@ -276,7 +276,7 @@ def test_full_length_rollout_trains_in_a_plain_loop() -> None:
     """Every row reaches max_new_tokens (no EOS), so ``pad_rollout`` has nothing to pad and hands the
     engine's own tensors on: they must be normal tensors, not ``inference_mode`` ones, or the
     importance ratio below fails with "Inference tensors cannot be saved for backward"."""
-    from asyncrl.rollout import pad_rollout
+    from asyncrl.stages import pad_rollout
 
     model = _with_eos_bias(_model(), -1e4)  # EOS is never drawn: every row runs to the limit
     ids, mask = _prompts()

@@ -133,8 +133,7 @@ def test_learner_bucket_metrics_report_ess_per_lag_bucket():
     """The learner's per-bucket telemetry includes ``ess``: the ESS fraction of each bucket's
     sequence weights. Equal weights give 1; one dominant weight gives ~1/n; dropped samples are
     left out."""
-    from asyncrl.learner import per_bucket_metrics
-    from asyncrl.telemetry.staleness import per_bucket
+    from asyncrl.telemetry.steps import bucket_metrics
 
     rows = {
         "kept": np.array([True, True, True, True, True, False]),
@@ -144,6 +143,6 @@ def test_learner_bucket_metrics_report_ess_per_lag_bucket():
         "reward": np.zeros(6),
         "seq_log_ratio": np.array([0.3, 0.3, 40.0, 0.0, 0.0, np.nan]),
     }
-    m = per_bucket_metrics(per_bucket, rows)
+    m = bucket_metrics(rows)
     assert m["bucket/0/ess"] == pytest.approx(1.0)
     assert m["bucket/2/ess"] == pytest.approx(1 / 3, rel=1e-6) and m["bucket/2/n"] == 3

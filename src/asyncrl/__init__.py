@@ -7,9 +7,11 @@ pipeline (``asyncrl.run``) wires them into Ray Data + Ray Train.
 
 from __future__ import annotations
 
+from importlib.metadata import version as _dist_version
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+#: one source of truth: the installed distribution's version (pyproject.toml)
+__version__ = _dist_version("asyncrl")
 
 if TYPE_CHECKING:
     from asyncrl.pipeline import RunResult

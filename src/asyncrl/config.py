@@ -8,6 +8,7 @@ typo fails before any process starts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +63,11 @@ class TrainConfig:
     grad_clip: float = field(1.0, help="global grad-norm clip; 0 disables")
     eval_every: int = field(10, help="greedy exact-match eval every N steps; 0 disables")
     eval_size: int = field(128, help="eval prompts per evaluation")
+    minibatches: int = field(
+        1,
+        help="optimizer steps per rollout batch (N): the batch is split into N mini-batches of whole "
+        "groups; versions count optimizer steps, so steps must be a multiple of N",
+    )
     checkpoint_every: int = field(0, help="Ray Train checkpoint every N steps; 0 = only at the end")
     logits_chunk: int = field(0, help="sequence chunk for log-softmax gathers; 0 = no chunking")
 
@@ -76,11 +82,23 @@ class TrainConfig:
             f"make it a multiple of group_size={self.group_size}",
         )
         check(self.lr > 0, "lr", self.lr, "use a positive learning rate")
+        check(self.minibatches >= 1, "minibatches", self.minibatches, "use an integer >= 1")
+        check(
+            self.steps % self.minibatches == 0,
+            "steps",
+            self.steps,
+            f"make it a multiple of minibatches={self.minibatches} (whole rollout batches)",
+        )
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     max_lag: int = field(2, help="S: hard per-sample staleness bound in optimizer steps; 0 = synchronous")
+    lag_mode: Literal["bound", "fixed"] = field(
+        "bound",
+        help="bound: every kept sample has lag <= max_lag; fixed (studies): every batch after the first "
+        "max_lag is generated exactly max_lag versions before it is trained",
+    )
     learner_workers: int = field(1, help="Ray Train workers (DDP over gloo on CPU, NCCL on CUDA)")
     backend: Literal["ddp", "deepspeed"] = field("ddp", help="learner backend")
     zero_stage: int = field(2, help="DeepSpeed ZeRO stage (1 or 2) when backend=deepspeed")
@@ -148,7 +166,6 @@ class TelemetryConfig:
 class RunConfig:
     run_dir: str = field("runs/latest", help="run directory: config, metrics, samples, checkpoints")
     seed: int = field(0, help="global seed: data order, sampling, init")
-    algo: Literal["opd", "grpo"] = field("opd", help="on-policy distillation or GRPO")
     workload: WorkloadConfig = field(default_factory=WorkloadConfig, help="task and models")
     sampling: SamplingParams = field(default_factory=SamplingParams, help="rollout sampling")
     estimator: ComponentSpec = field(
@@ -157,15 +174,22 @@ class RunConfig:
     )
     cache: CacheConfig = field(default_factory=CacheConfig, help="teacher-score cache")
     controllers: tuple[ComponentSpec, ...] = field(
-        default=(), help="extra staleness controllers; bounded staleness (pipeline.max_lag) is always on"
+        default=(),
+        help="staleness controllers after the always-on bounded_staleness (configured by pipeline.max_lag "
+        "and pipeline.lag_mode, so it is not listed here)",
     )
     train: TrainConfig = field(default_factory=TrainConfig, help="optimisation")
     pipeline: PipelineConfig = field(default_factory=PipelineConfig, help="Ray pipeline")
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig, help="progress and sinks")
 
-    def __post_init__(self) -> None:
-        if self.algo == "grpo":
-            check(self.train.group_size >= 2, "train.group_size", self.train.group_size, "GRPO needs >= 2")
+    @property
+    def algo(self) -> Literal["opd", "rl"]:
+        """``rl`` when the estimator learns from rewards (needs no teacher cache, e.g. ``grpo``),
+        else ``opd``: derived from the estimator, never configured separately."""
+        from asyncrl.estimators import build
+
+        est = build(self.estimator.name, dict(self.estimator.options))
+        return "rl" if est.cache_kind is None else "opd"
 
 
 # --- loading -------------------------------------------------------------------------------
@@ -173,26 +197,46 @@ def _parse_value(text: str) -> Any:
     return yaml.safe_load(text) if text != "" else ""
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in order."""
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"a.b.c=value"`` -> ``("a.b.c", value)``, the value parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(item, item, "overrides look like key.sub=value")
+    key, _, raw = item.partition("=")
+    return key.strip(), _parse_value(raw)
+
+
+def set_key(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of the nested dict ``data`` with the node at dotted ``key`` set to ``value`` (replaced, not
+    merged: ``estimator.options={...}`` replaces the options; ``estimator.options.tail=drop`` sets one)."""
     data = dict(data)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(item, item, "overrides look like key.sub=value")
-        key, _, raw = item.partition("=")
-        parts = key.strip().split(".")
-        node = data
-        for p in parts[:-1]:
-            child = node.get(p)
-            child = dict(child) if isinstance(child, dict) else {}
-            node[p] = child
-            node = child
-        node[parts[-1]] = _parse_value(raw)
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.get(p)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[p] = child
+        node = child
+    node[parts[-1]] = value
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """YAML file (or defaults) + overrides -> validated RunConfig. Names are resolved now."""
+def apply_overrides(data: dict[str, Any], overrides: list[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Apply overrides to a nested dict, in order: ``a.b.c=value`` strings (values parsed as YAML), or a
+    mapping of dotted keys to values (used as they are, e.g. from a sweep file)."""
+    if isinstance(overrides, Mapping):
+        items = list(overrides.items())
+    else:
+        items = [parse_override(item) for item in overrides]
+    for key, value in items:
+        data = set_key(data, key, value)
+    return dict(data)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | Mapping[str, Any] | None = None
+) -> RunConfig:
+    """YAML file (or defaults) + overrides (see ``apply_overrides``) -> validated RunConfig. Names are
+    resolved now."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -203,6 +247,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError("config", str(p), "the YAML top level must be a mapping")
         data = loaded
     data = apply_overrides(data, overrides or [])
+    if "algo" in data:
+        raise ConfigError(
+            "algo",
+            data["algo"],
+            "remove it: OPD vs RL is derived from the estimator (an RL estimator such as 'grpo' "
+            "needs no teacher)",
+        )
     cfg = from_dict(RunConfig, data)
     resolve_components(cfg)
     return resolve_auto(cfg)

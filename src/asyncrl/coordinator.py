@@ -1,11 +1,12 @@
 """PolicyStore: the one named Ray actor that holds the latest weights, their version, and the
 admission budget that bounds staleness.
 
-Generators call ``acquire`` before they start a batch (it returns when the budget admits the
-batch) and ``latest`` to reload weights when the version moved. The learner calls
-``publish`` after every optimizer step and then ``consumed`` to release budget. Publishing
-*before* releasing is what makes ``max_lag = 0`` strictly on-policy: a batch admitted after
-step v finished always sees weights v+1.
+Generators call ``acquire`` before they start an input block (it returns when the block is
+admitted: in stream order, when the controller chain's ``admit`` says yes) and then load the
+latest weights, or the version a controller pinned. The learner calls ``start`` once, then
+``publish`` after every optimizer step, releasing the rollout batch in the same call after its
+last step. Publishing *before* releasing is what makes ``max_lag = 0`` strictly on-policy: a
+block admitted after step v finished always sees weights v+1.
 
 Weights travel through the object store on CPU: the learner ``ray.put``s its state dict and
 the store keeps only the reference (wrapped in a list so Ray does not resolve it). The
@@ -35,50 +36,99 @@ class CoordinatorError(RuntimeError):
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class PolicyStore:
-    """Async actor: weights (object ref), version, admission budget, sample ledger counts."""
+    """Async actor: published weights (object refs) by version, the admission books and the
+    admission side of the controller chain.
 
-    def __init__(self, max_lag: int, batch_size: int, admit_poll_s: float = 0.002) -> None:
-        self.budget = AdmissionBudget(max_lag=max_lag, batch_size=batch_size)
-        self.version = -1  # no weights published yet: admission waits for the first publish
-        self.weights_ref: Any = None
+    ``controller_specs``: the run's controller chain as ``(name, options)`` pairs, built here (its
+    ``admit`` / ``behavior_version`` hooks decide admission; the learner builds its own copy for
+    the other hooks). ``keep_versions``: how many past versions stay fetchable besides the latest
+    (a pinning controller, e.g. fixed lag S with N mini-batches, needs S + N).
+    """
+
+    def __init__(
+        self,
+        controller_specs: list[tuple[str, dict[str, Any]]],
+        batch_size: int,
+        *,
+        blocks_per_rollout: int = 1,
+        versions_per_rollout: int = 1,
+        keep_versions: int = 0,
+        admit_poll_s: float = 0.002,
+    ) -> None:
+        from asyncrl.controllers import build_chain
+
+        self.budget = AdmissionBudget(
+            build_chain(controller_specs),
+            batch_size,
+            blocks_per_rollout=blocks_per_rollout,
+            versions_per_rollout=versions_per_rollout,
+        )
+        self.version = -1  # nothing published yet: admission waits for the learner's start
+        self.weights: dict[int, Any] = {}  # version -> ObjectRef of a state dict
+        self.keep_versions = keep_versions
         self.admit_poll_s = admit_poll_s
         self.closed = False
         self._wait_s = 0.0
         self.engine_deaths = 0
 
-    async def acquire(self, n: int, key: int | None = None) -> tuple[int, int] | None:
-        """Block until ``n`` samples may start; return (ticket, version) or None once closed.
+    async def acquire(self, n: int, block_index: int) -> dict[str, Any] | None:
+        """Block until input block ``block_index`` (``n`` samples) may start; None once closed.
 
-        ``key`` names the input block: a retry of an admitted block (its actor died and Ray Data
-        re-ran it) gets the same ticket back at once and takes no new budget."""
+        Returns ``{"ticket", "version", "behavior_version"}``: generate with the weights of
+        ``behavior_version`` (pinned by a controller) or, when it is None, the latest. Blocks are
+        admitted in stream order (``AdmissionBudget``); a retried block gets its admission back."""
         t0 = time.perf_counter()
         while True:
             if self.closed:
                 return None
             if self.version >= 0:
-                ticket = self.budget.try_acquire(n, self.version, key=key)
-                if ticket is not None:
+                admission = self.budget.try_acquire(n, block_index)
+                if admission is not None:
                     self._wait_s += time.perf_counter() - t0
-                    return ticket, self.version
+                    return {
+                        "ticket": admission.ticket,
+                        "version": admission.version,
+                        "expected_version": admission.expected_version,
+                        "behavior_version": admission.behavior_version,
+                    }
             await asyncio.sleep(self.admit_poll_s)
 
-    def publish(self, refs: list[Any], version: int) -> int:
-        """Store new weights (``refs[0]`` is an ObjectRef to a state dict) at ``version``."""
+    def start(self, refs: list[Any], version: int) -> int:
+        """The learner (re)starts at ``version`` with weights ``refs[0]``; the stream starts at block 0."""
+        self.weights = {version: refs[0]}
+        self.version = version
+        self.budget.start(version)
+        return version
+
+    def publish(self, refs: list[Any], version: int, consumed: tuple[int, int] | None = None) -> int:
+        """Store new weights at ``version`` (``refs[0]`` is an ObjectRef to a state dict), then, if
+        ``consumed = (n_trained, n_dropped)``, release the rollout batch. One call, so no block is
+        admitted between the new version and the release (their order is what makes S = 0
+        lock-step)."""
         if version < self.version:
             raise ValueError(f"published version {version} is older than the current {self.version}")
-        self.weights_ref = refs[0]
+        self.weights[version] = refs[0]
         self.version = version
+        self.weights = {v: r for v, r in self.weights.items() if v >= version - self.keep_versions}
         self.budget.set_version(version)
+        if consumed is not None:
+            self.budget.on_consumed(*consumed)
         return version
 
     def latest(self, have: int) -> tuple[int, list[Any] | None]:
         """(version, [ref]) if newer than ``have`` else (version, None)."""
-        if self.version <= have or self.weights_ref is None:
+        if self.version <= have or self.version not in self.weights:
             return self.version, None
-        return self.version, [self.weights_ref]
+        return self.version, [self.weights[self.version]]
 
-    def consumed(self, n_trained: int, n_dropped: int) -> None:
-        self.budget.on_consumed(n_trained, n_dropped)
+    def weights_at(self, version: int) -> list[Any]:
+        """[ref] of the weights published at ``version`` (a pinned behavior version)."""
+        if version not in self.weights:
+            raise KeyError(
+                f"weights of version {version} are no longer kept (have {sorted(self.weights)}); "
+                f"the PolicyStore keeps {self.keep_versions} past versions"
+            )
+        return [self.weights[version]]
 
     def close(self) -> None:
         """Stop admitting: blocked generators return and the stream drains."""
@@ -102,7 +152,7 @@ class PolicyStore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.budget.load_state_dict(state["budget"])
-        self.version = -1  # admission resumes at the learner's first publish
+        self.version = -1  # admission resumes at the learner's start
 
 
 @dataclass
@@ -135,27 +185,33 @@ class PolicyStoreClient:
         except ray.exceptions.RayActorError as err:
             raise CoordinatorError(f"PolicyStore.{method} failed: the store actor died ({err})") from err
 
-    def acquire(self, n: int, timeout_s: float, key: int | None = None) -> tuple[int, int] | None:
-        """Waits for admission; ``timeout_s`` bounds a stalled learner (pipeline.no_progress_timeout_s).
-        ``key`` identifies the input block, so a retried block keeps its admission."""
-        return self._call("acquire", n, key, timeout_s=timeout_s)
+    def acquire(self, n: int, block_index: int, timeout_s: float) -> dict[str, Any] | None:
+        """Waits for admission of input block ``block_index``; ``timeout_s`` bounds a stalled learner
+        (pipeline.no_progress_timeout_s)."""
+        return self._call("acquire", n, block_index, timeout_s=timeout_s)
 
-    def publish(self, state_dict: dict[str, Any], version: int) -> None:
-        self._call("publish", [ray.put(state_dict)], version)
+    def start(self, state_dict: dict[str, Any], version: int) -> None:
+        self._call("start", [ray.put(state_dict)], version)
 
-    def latest(self, have: int) -> tuple[int, Any | None]:
-        version, refs = self._call("latest", have)
-        if refs is None:
-            return version, None
+    def publish(
+        self, state_dict: dict[str, Any], version: int, consumed: tuple[int, int] | None = None
+    ) -> None:
+        self._call("publish", [ray.put(state_dict)], version, consumed)
+
+    def _fetch(self, version: int, ref: Any) -> Any:
         try:
-            return version, ray.get(refs[0], timeout=self.timeout_s)
+            return ray.get(ref, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError as err:
             raise CoordinatorError(
                 f"fetching weights v{version} timed out after {self.timeout_s:.0f}s"
             ) from err
 
-    def consumed(self, n_trained: int, n_dropped: int) -> None:
-        self._call("consumed", n_trained, n_dropped)
+    def latest(self, have: int) -> tuple[int, Any | None]:
+        version, refs = self._call("latest", have)
+        return (version, None) if refs is None else (version, self._fetch(version, refs[0]))
+
+    def weights_at(self, version: int) -> Any:
+        return self._fetch(version, self._call("weights_at", version)[0])
 
     def close(self) -> None:
         self._call("close")

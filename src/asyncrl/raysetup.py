@@ -17,6 +17,23 @@ import os
 TICK_ENV = "ASYNCRL_DATA_TICK_S"
 DEFAULT_TICK_S = 0.005
 
+#: environment of every process of a run: no usage stats, no token auth file, no hub access
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "DS_ACCELERATOR": "cpu",
+}
+
+
+def apply_env() -> None:
+    """Set ``RAY_ENV`` in this process where unset (called by entry points, never at import)."""
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+
 
 def setup_worker() -> None:
     """``worker_process_setup_hook``: apply the tick from the environment (no-op if unset)."""

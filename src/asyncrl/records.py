@@ -42,6 +42,8 @@ SAMPLE_ID = "sample_id"
 PROMPT_ID = "prompt_id"
 VERSION_FIRST = "version_first"
 VERSION_LAST = "version_last"
+#: position of a sample's input block in the prompt stream (admission and consumption order)
+BLOCK_INDEX = "block_index"
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ A controller may act at any of these points; each hook is optional (a missing ho
 no-op, see ``chain``). In the order they run:
 
 1. ``admit(req)``: producer side, inside the coordinator actor. May a rollout of
-   ``req.n`` samples start now? (AND across controllers.)
+   ``req.n`` samples start now? (AND across controllers.) Optionally
+   ``behavior_version(req)``: the weights version the block must be generated with (None =
+   the latest; at most one controller may pin).
 2. ``keep(info, learner_version)``: consumption gate on arriving samples, [N] bool.
    Must be group-atomic. (AND.)
 3. ``token_weights(ctx)``: detached per-token loss weights [B, T]. (Product.)
@@ -33,14 +35,29 @@ import torch
 
 @dataclass(frozen=True)
 class AdmissionRequest:
-    """A generator asks to start ``n`` samples (whole groups) at learner version ``learner_version``."""
+    """A generator asks to start the ``n`` samples (whole groups) of input block ``block_index``.
+
+    Blocks are admitted in stream order and consumed in the same order, so the learner version
+    at which this block will be trained is known now: ``expected_version`` (assuming every
+    batch before it takes its optimizer steps). ``expected_version - learner_version`` is the
+    lag the block will have if it starts now.
+    """
 
     n: int
     learner_version: int
-    #: samples started but not yet trained or dropped (includes this request's peers, not itself)
+    #: samples started but not yet trained or dropped (not counting this request)
     in_flight: int
-    #: samples the learner consumes per optimizer step (B)
+    #: samples the learner consumes per rollout batch (B)
     batch_size: int
+    #: position of the block in the prompt stream (0, 1, 2, ... since the stream (re)started)
+    block_index: int
+    #: learner version when this block is first trained (see ``AdmissionBudget``)
+    expected_version: int
+
+    @property
+    def expected_lag(self) -> int:
+        """The lag this block will have at consumption if it is generated now."""
+        return self.expected_version - self.learner_version
 
 
 @dataclass(frozen=True)
@@ -134,6 +151,8 @@ class StalenessController(Protocol):
     name: str
 
     def admit(self, req: AdmissionRequest) -> bool: ...
+
+    def behavior_version(self, req: AdmissionRequest) -> int | None: ...
 
     def keep(self, info: SampleInfo, learner_version: int) -> np.ndarray: ...
 

@@ -2,14 +2,21 @@
 
 Two mechanisms, because either alone is not enough (spec section 0.1):
 
-- **admission** (AReaL/SkyRL/tinker capacity): a rollout of ``n`` samples may start only if
-  ``in_flight + n <= (S + 1) B``, where in-flight = started but not yet trained or dropped.
-  This bounds staleness in aggregate and keeps generators from running ahead; with S = 0
-  exactly one step of work is in flight (lock-step, synchronous on-policy).
+- **admission**: a block may start only if the lag it will have when it is trained,
+  ``expected_version - learner_version``, is at most S (blocks are admitted and consumed in
+  stream order, so the version that will train a block is known when it starts; see
+  ``asyncrl.controllers.admission``). With one optimizer step per rollout batch this is the
+  AReaL/SkyRL capacity rule ``in_flight + n <= (S + 1) B``; with N mini-batch steps per batch
+  it allows ``floor(S / N) + 1`` batches in flight. With S = 0 exactly one step of work is in
+  flight (lock-step, synchronous on-policy).
 - **consumption gate** (prime-rl/TRL): ``keep`` drops every sample whose head lag
   ``v_L - v_first`` exceeds S, group-atomically (a group's lag is the max over its members).
   This is what makes the bound strict for stragglers. It is meant to run on arrival *and*
   again at batch assembly, since a sample can age in the queue.
+
+``mode="fixed"`` (``pipeline.lag_mode: fixed``, for studies) also pins every block's behavior
+version to ``expected_version - S``: each batch after the first S is trained at exactly lag
+S, whatever the machine's timing (``bound`` only guarantees ``<= S``).
 
 Drops are counted with a reason (``lag``: the sample itself was too old; ``group``: a member
 of its group was), never silent. ``straggler="accept_and_log"`` keeps late samples and
@@ -29,6 +36,7 @@ from asyncrl.controllers.factory import CONTROLLERS
 from asyncrl.controllers.verdicts import DropCounter, group_max
 
 Straggler = Literal["drop", "accept_and_log"]
+LagMode = Literal["bound", "fixed"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,10 @@ class BoundedStalenessConfig:
     max_lag: int = field(2, help="S: max head lag (learner version - version of the first token); 0 = sync")
     straggler: Straggler = field(
         "drop", help="what happens to a sample with lag > S: drop it, or keep it and count a violation"
+    )
+    mode: LagMode = field(
+        "bound",
+        help="bound: lag <= S; fixed: every batch after the first S is generated exactly S versions back",
     )
 
     def __post_init__(self) -> None:
@@ -51,6 +63,7 @@ class BoundedStalenessConfig:
             self.straggler,
             "use 'drop' or 'accept_and_log'",
         )
+        check(self.mode in ("bound", "fixed"), "mode", self.mode, "use 'bound' or 'fixed'")
 
 
 def capacity(max_lag: int, batch_size: int) -> int:
@@ -60,7 +73,7 @@ def capacity(max_lag: int, batch_size: int) -> int:
 
 @CONTROLLERS.register("bounded_staleness")
 class BoundedStaleness:
-    """Admission capacity ``(S+1) B`` plus a group-atomic consumption gate ``lag <= S``.
+    """Admission at expected lag ``<= S`` plus a group-atomic consumption gate ``lag <= S``.
 
     Metrics cover the ``keep`` calls since the window was last reported (by ``metrics`` or
     ``after_step``), i.e. one learner step: ``staleness/lag_mean``,
@@ -72,8 +85,8 @@ class BoundedStaleness:
     name = "bounded_staleness"
     Config = BoundedStalenessConfig
 
-    def __init__(self, max_lag: int = 2, straggler: Straggler = "drop") -> None:
-        self.config = BoundedStalenessConfig(max_lag=max_lag, straggler=straggler)
+    def __init__(self, max_lag: int = 2, straggler: Straggler = "drop", mode: LagMode = "bound") -> None:
+        self.config = BoundedStalenessConfig(max_lag=max_lag, straggler=straggler, mode=mode)
         self.drops = DropCounter()
         self.violations_total = 0
         self._window: dict[str, float] = {}
@@ -84,7 +97,14 @@ class BoundedStaleness:
         return self.config.max_lag
 
     def admit(self, req: AdmissionRequest) -> bool:
-        return req.in_flight + req.n <= capacity(self.max_lag, req.batch_size)
+        """Start the block only if it will be trained at lag <= S."""
+        return req.expected_lag <= self.max_lag
+
+    def behavior_version(self, req: AdmissionRequest) -> int | None:
+        """``fixed`` mode: generate with the weights exactly S versions before the training version."""
+        if self.config.mode != "fixed":
+            return None
+        return max(0, req.expected_version - self.max_lag)
 
     def keep(self, info: SampleInfo, learner_version: int) -> np.ndarray:
         """[N] bool: True iff every member of the sample's group has head lag <= S."""

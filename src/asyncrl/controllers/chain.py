@@ -5,6 +5,7 @@ hooks (see ``asyncrl.controllers.base`` for their order):
 
 ================== =====================================================================
 ``admit``          AND over controllers (all are asked, so none misses a request)
+``behavior_version`` the one controller's pin (None if none pins; two different pins: error)
 ``keep``           AND, then widened to whole groups; drops are counted per controller
 ``token_weights``  product of the non-None weights (None if every controller returns None)
 ``transform_gradient`` applied in chain order
@@ -34,6 +35,7 @@ from asyncrl.controllers.verdicts import DropCounter, group_all
 
 HOOKS = (
     "admit",
+    "behavior_version",
     "keep",
     "token_weights",
     "transform_gradient",
@@ -63,6 +65,9 @@ class _Filled:
 
     def admit(self, req: AdmissionRequest) -> bool:
         return bool(self.inner.admit(req)) if "admit" in self.implements else True
+
+    def behavior_version(self, req: AdmissionRequest) -> int | None:
+        return self.inner.behavior_version(req) if "behavior_version" in self.implements else None
 
     def keep(self, info: SampleInfo, learner_version: int) -> np.ndarray:
         if "keep" in self.implements:
@@ -173,6 +178,18 @@ class Chain:
     def admit(self, req: AdmissionRequest) -> bool:
         verdicts = [bool(c.admit(req)) for c in self.controllers]
         return all(verdicts)
+
+    def behavior_version(self, req: AdmissionRequest) -> int | None:
+        pins = {
+            name: v
+            for name, c in zip(self.names, self.controllers)
+            if (v := c.behavior_version(req)) is not None
+        }
+        if len(set(pins.values())) > 1:
+            raise ValueError(
+                f"controllers pin different behavior versions for block {req.block_index}: {pins}"
+            )
+        return next(iter(pins.values()), None)
 
     def keep(self, info: SampleInfo, learner_version: int) -> np.ndarray:
         if self._new_window:

@@ -23,11 +23,15 @@ from asyncrl.registry import Registry
 class EstimatorOutput:
     """``loss``: scalar to backpropagate. ``metrics``: detached floats, slash-namespaced
     (e.g. ``"est/teacher_mass"``). ``per_sample``: detached [B] tensors for samples.parquet
-    (e.g. ``"loss"``)."""
+    (e.g. ``"loss"``). ``normalizer``: the count ``loss`` was divided by (valid tokens for
+    ``token_mean``, samples with a valid token for ``seq_mean``); with several data-parallel
+    ranks ``asyncrl.step.loss_step`` uses it to weight every token (sample) the same over all
+    ranks. None: the loss is taken as a per-rank mean (ranks weighted equally)."""
 
     loss: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
     per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+    normalizer: float | None = None
 
 
 @runtime_checkable

@@ -22,7 +22,7 @@ from asyncrl.estimators.functional import (
     kl_k3,
     policy_gradient_loss,
 )
-from asyncrl.estimators.reduction import (
+from asyncrl.estimators.token_loss import (
     EstimatorInputs,
     EstimatorOptions,
     TokenLoss,

@@ -23,7 +23,7 @@ from asyncrl.estimators.functional import (
     reverse_kl_dense,
     reverse_kl_topk_from_logprobs,
 )
-from asyncrl.estimators.reduction import (
+from asyncrl.estimators.token_loss import (
     EstimatorInputs,
     EstimatorOptions,
     TokenLoss,

@@ -24,7 +24,7 @@ from asyncrl.estimators.functional import (
     reverse_kl_mc_from_logprobs,
     reverse_kl_stratified_from_logprobs,
 )
-from asyncrl.estimators.reduction import (
+from asyncrl.estimators.token_loss import (
     EstimatorInputs,
     EstimatorOptions,
     TokenLoss,

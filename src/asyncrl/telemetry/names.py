@@ -38,6 +38,14 @@ GRAD_NORM = "grad/norm"
 #: cosine between this step's gradient and the previous step's (GAC)
 GAC_COS_PREV = "gac/cos_prev"
 SAMPLES_PER_S = "throughput/samples_per_s"
+#: samples trained in this step (all ranks)
+SAMPLES_KEPT = "samples/kept"
+#: valid completion tokens trained in this step (all ranks)
+TOKENS = "tokens/trained"
+#: 1 when this step's loss or gradient was not finite and the optimizer step was skipped
+NUMERICS_SKIPPED = "numerics/skipped"
+#: learner version (optimizer steps applied) after this step
+VERSION = "version"
 LEARNER_IDLE_FRAC = "throughput/learner_idle_frac"
 #: teacher probability mass the cache keeps per position (e.g. top-k mass), batch mean
 TEACHER_MASS = "est/teacher_mass"
@@ -94,6 +102,12 @@ SUMMARY_KEYS = (
     "eval_accuracy_initial",
     "eval_accuracy_final",
     "teacher_accuracy",
+    "reward_mean_first",
+    "reward_mean_last",
+    "admission_wait_s",
+    "in_flight_regenerated_on_resume",
+    "generation_retries",
+    "engine_restarts",
     "run_dir",
 )
 
@@ -114,8 +128,10 @@ __all__ = [
     "LR_APPLIED",
     "LR_SCHEDULED",
     "METRICS_FILE",
+    "NUMERICS_SKIPPED",
     "REPORT_FILE",
     "SAMPLES_FILE",
+    "SAMPLES_KEPT",
     "SAMPLES_PARTS_DIR",
     "SAMPLES_PER_S",
     "SAMPLE_COLUMNS",
@@ -125,6 +141,8 @@ __all__ = [
     "TEACHER_MASS",
     "TENSORBOARD_DIR",
     "TIME_S",
+    "TOKENS",
+    "VERSION",
     "bucket_key",
     "parse_bucket_key",
 ]

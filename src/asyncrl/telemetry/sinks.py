@@ -256,9 +256,8 @@ class RunWriter:
 
     # --- end of run ------------------------------------------------------------------------
     def write_summary(self, summary: Mapping[str, Any]) -> None:
-        """Write ``summary.json`` (atomically; numpy values and NaN become plain JSON)."""
-        text = json.dumps(_json_safe(dict(summary)), indent=2, allow_nan=False)
-        _atomic_write_text(self.run_dir / names.SUMMARY_FILE, text + "\n")
+        """Write ``summary.json`` (see ``write_summary``)."""
+        write_summary(self.run_dir, summary)
 
     def close(self) -> None:
         """Flush everything and consolidate the sample parts into ``samples.parquet``. Idempotent."""
@@ -288,6 +287,13 @@ class RunWriter:
 
 
 # --- readers ------------------------------------------------------------------------------------
+def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
+    """Write ``RUN/summary.json`` atomically; numpy values and NaN become plain JSON."""
+    path = Path(run_dir) / names.SUMMARY_FILE
+    _atomic_write_text(path, json.dumps(_json_safe(dict(summary)), indent=2, allow_nan=False) + "\n")
+    return path
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The per-step records of ``RUN/metrics.jsonl`` in file order (a torn last line is skipped).
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncrl import records as R
-from asyncrl import rollout
+from asyncrl import stages
 from asyncrl.engines import EngineDeadError, SamplingParams
 
 
@@ -18,9 +18,9 @@ class Store:
         self.deaths = 0
         self.keys: list[int] = []
 
-    def acquire(self, n, timeout_s, key=None):
-        self.keys.append(key)
-        return 0, 0
+    def acquire(self, n, block_index, timeout_s):
+        self.keys.append(block_index)
+        return {"ticket": block_index, "version": 0, "expected_version": 0, "behavior_version": None}
 
     def latest(self, have):
         return 0, None
@@ -38,8 +38,8 @@ class DeadEngine:
         raise EngineDeadError("engine core died")
 
 
-def stage(store: Store, max_engine_restarts: int) -> rollout.Generate:
-    g = rollout.Generate.__new__(rollout.Generate)
+def stage(store: Store, max_engine_restarts: int) -> stages.Generate:
+    g = stages.Generate.__new__(stages.Generate)
     g.engine, g.store, g.seed, g.admit_timeout_s = DeadEngine(), store, 0, 1.0
     g.params = SamplingParams(max_new_tokens=4)
     g.have_version, g.admissions, g.crash_at, g.max_engine_restarts = -1, 0, None, max_engine_restarts
@@ -49,6 +49,7 @@ def stage(store: Store, max_engine_restarts: int) -> rollout.Generate:
 def block() -> dict[str, np.ndarray]:
     return {
         R.SAMPLE_ID: np.arange(8, 12),
+        R.BLOCK_INDEX: np.full(4, 2),
         R.PROMPT_IDS: np.ones((4, 3), dtype=np.int64),
         R.PROMPT_MASK: np.ones((4, 3), dtype=bool),
     }
@@ -61,19 +62,19 @@ def test_dead_engine_restarts_the_actor_then_fails_the_run(monkeypatch):
         exits.append(code)
         raise SystemExit(code)
 
-    monkeypatch.setattr(rollout, "_exit_process", fake_exit)
+    monkeypatch.setattr(stages, "_exit_process", fake_exit)
     store = Store()
     g = stage(store, max_engine_restarts=2)
     for _ in range(2):  # each death within the budget exits the process (Ray restarts it)
         with pytest.raises(SystemExit):
             g(block())
-    assert exits == [1, 1] and store.keys == [8, 8]  # the retried block keeps its admission key
+    assert exits == [1, 1] and store.keys == [2, 2]  # the retried block asks for its own index again
     with pytest.raises(RuntimeError, match=r"died 3 times.*pipeline\.max_engine_restarts=2"):
         g(block())
     assert exits == [1, 1]
 
 
 def test_no_restarts_allowed_fails_at_the_first_death(monkeypatch):
-    monkeypatch.setattr(rollout, "_exit_process", lambda code: pytest.fail("must not exit"))
+    monkeypatch.setattr(stages, "_exit_process", lambda code: pytest.fail("must not exit"))
     with pytest.raises(RuntimeError, match="max_engine_restarts=0"):
         stage(Store(), max_engine_restarts=0)(block())

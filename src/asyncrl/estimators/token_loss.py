@@ -1,4 +1,4 @@
-"""Masked reduction of a per-position loss [B, T] to the scalar an Estimator returns.
+"""TokenLossEstimator, the base of the built-in estimators, and the masked reduction it applies.
 
 Why one place: every estimator must mask padding the same way, multiply the controllers'
 detached token weights the same way and normalise by the same count, or two estimators with
@@ -75,8 +75,7 @@ def reduce_loss(
     The per-sample value is the unweighted masked mean ``Σ_t l / Σ_t mask`` (0 for empty samples),
     for telemetry.
     """
-    if aggregation not in ("token_mean", "seq_mean"):
-        raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', got {aggregation!r}")
+    _check_aggregation(aggregation)
     mask = mask.bool()
     zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
     loss = torch.where(mask, per_token, zero)
@@ -89,6 +88,20 @@ def reduce_loss(
     seq = loss.sum(-1) / lengths.clamp(min=1)
     has = lengths > 0
     return torch.where(has, seq, zero).sum() / has.sum().clamp(min=1), per_sample
+
+
+def _check_aggregation(aggregation: str) -> None:
+    if aggregation not in ("token_mean", "seq_mean"):
+        raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', got {aggregation!r}")
+
+
+def reduction_count(mask: torch.Tensor, aggregation: Aggregation = "token_mean") -> int:
+    """What ``reduce_loss`` divides by: valid tokens (``token_mean``) or samples with at least one
+    valid token (``seq_mean``); at least 1."""
+    _check_aggregation(aggregation)
+    mask = mask.bool()
+    n = int(mask.sum()) if aggregation == "token_mean" else int(mask.any(-1).sum())
+    return max(n, 1)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -179,7 +192,10 @@ class TokenLossEstimator:
             out.per_token, mask, token_weights=token_weights, aggregation=self.config.aggregation
         )
         return EstimatorOutput(
-            loss=loss, metrics=out.metrics, per_sample={"loss": per_sample, **out.per_sample}
+            loss=loss,
+            metrics=out.metrics,
+            per_sample={"loss": per_sample, **out.per_sample},
+            normalizer=reduction_count(mask, self.config.aggregation),
         )
 
     def token_loss(self, x: EstimatorInputs) -> TokenLoss:

@@ -3,7 +3,7 @@
 Why a separate module: ``deepspeed`` is an optional extra (``pip install 'asyncrl[deepspeed]'``,
 built with ``DS_BUILD_OPS=0``); importing this module is what imports it.
 
-What differs from :class:`asyncrl.backends.TorchBackend`, and why:
+What differs from :class:`asyncrl.backends.ddp.TorchBackend`, and why:
 
 * **Wrapping.** ``deepspeed.initialize`` wraps the model in its engine; Ray Train's
   ``prepare_model`` must not also wrap it. Ray Train's ``TorchConfig`` has already created the
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.backends import scheduled_lr
+from asyncrl.backends.base import scheduled_lr
 from asyncrl.config import TrainConfig
 from asyncrl.controllers.base import scaled_lr
 

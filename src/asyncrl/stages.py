@@ -1,4 +1,11 @@
-"""The generation stage of the Ray Data graph: ``map_batches(Generate, actor pool)``.
+"""The Ray Data stages of the pipeline: callable classes that hold a model once per actor.
+
+- ``Generate``: ``map_batches(Generate, actor pool)``, the rollout stage (below).
+- ``ScoreTeacher``: ``map_batches(ScoreTeacher, actor pool)``, the OPD scoring stage.
+- ``ScoreReward``: the RL scoring stage (task reward), also used by ``ScoreTeacher`` for
+  accuracy telemetry.
+
+Generation:
 
 Each call turns one block of prompt rows (one learner step's worth of samples for one
 learner worker) into rollouts. Before generating it asks the PolicyStore for admission
@@ -19,6 +26,7 @@ import numpy as np
 import torch
 
 from asyncrl import records as R
+from asyncrl.caches import CACHES, score_teacher
 from asyncrl.coordinator import PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
@@ -119,7 +127,13 @@ class Generate:
         )
         _exit_process(1)
 
-    def _sync_weights(self) -> None:
+    def _sync_weights(self, pinned: int | None) -> None:
+        """Load the weights a controller pinned for this block, or the latest if newer than ours."""
+        if pinned is not None:
+            if pinned != self.have_version:
+                self.engine.load_weights(self.store.weights_at(pinned), pinned)
+                self.have_version = pinned
+            return
         version, state = self.store.latest(self.have_version)
         if state is not None:
             self.engine.load_weights(state, version)
@@ -128,20 +142,19 @@ class Generate:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch[R.SAMPLE_ID])
         t_wait = time.perf_counter()
-        # keyed by the block's first sample id: if this actor dies and Ray Data retries the block
-        # on a restarted actor, the retry reuses the block's admission instead of leaking budget
-        key = int(np.min(batch[R.SAMPLE_ID]))
-        admitted = self.store.acquire(n, timeout_s=self.admit_timeout_s, key=key)
+        # blocks are admitted in stream order by index; a retry of this block (the actor died and
+        # Ray Data re-ran it on a restarted actor) gets its admission back instead of new budget
+        block = int(np.asarray(batch[R.BLOCK_INDEX])[0])
+        admitted = self.store.acquire(n, block, timeout_s=self.admit_timeout_s)
         if admitted is None:  # the run finished while we waited: emit nothing
             return {k: v[:0] for k, v in batch.items()}
-        ticket, _ = admitted
         self.admissions += 1
         if self.crash_at and self.admissions == self.crash_at[1] and not self.crash_at[0].exists():
             self.crash_at[0].touch()
             _exit_process(1)
         t_start = time.perf_counter()
         try:
-            self._sync_weights()
+            self._sync_weights(admitted["behavior_version"])
             out = self.engine.generate(
                 torch.from_numpy(np.asarray(batch[R.PROMPT_IDS])),
                 torch.from_numpy(np.asarray(batch[R.PROMPT_MASK])).bool(),
@@ -163,7 +176,7 @@ class Generate:
         vlast = torch.where(empty, torch.full_like(vlast, self.engine.version), vlast)
         result[R.VERSION_FIRST] = vfirst.to(torch.int64)
         result[R.VERSION_LAST] = vlast.to(torch.int64)
-        result["ticket"] = np.full(n, ticket, dtype=np.int64)
+        result["ticket"] = np.full(n, admitted["ticket"], dtype=np.int64)
         result["gen_wait_s"] = np.full(n, t_start - t_wait, dtype=np.float64)
         result["gen_time_s"] = np.full(n, time.perf_counter() - t_start, dtype=np.float64)
         result["gen_done_at"] = np.full(n, time.time(), dtype=np.float64)
@@ -195,4 +208,51 @@ class ScoreReward:
         out = dict(batch)
         out[R.REWARD] = self.rewards(batch)
         out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
+        return out
+
+
+class ScoreTeacher:
+    """Ray Data actor UDF holding the teacher model for the actor's lifetime.
+
+    The teacher is frozen, so its scores never go stale: only which tokens get scored depends on
+    the (possibly stale) student that generated them. One teacher forward over prompt +
+    completion keeps only the finite record its TeacherCache kind declares (top-k, scores at the
+    behavior MC samples, the generated token, teacher samples), never the full [B, T, V] logits.
+    It also scores the task reward, for accuracy telemetry.
+    """
+
+    def __init__(
+        self,
+        *,
+        teacher_dir: str,
+        cache: str,
+        cache_options: dict[str, Any],
+        task: str,
+        seed: int,
+        torch_threads: int = 1,
+        device: str = "cpu",
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(torch_threads)
+        model = AutoModelForCausalLM.from_pretrained(teacher_dir, local_files_only=True)
+        self.model = model.to(device).eval()  # score_teacher moves each batch to the model's device
+        self.cache = CACHES.get(cache)(**cache_options)
+        self.reward = ScoreReward(task=task, tokenizer_dir=teacher_dir)
+        self.seed = seed
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if len(batch[R.SAMPLE_ID]) == 0:
+            return batch
+        t0 = time.perf_counter()
+        tensors = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
+        scores = score_teacher(
+            self.model, tensors, self.cache, seed=batch_seed(self.seed + 1, batch[R.SAMPLE_ID])
+        )
+        out = dict(batch)
+        out.update(R.to_numpy(scores))
+        out[R.REWARD] = self.reward.rewards(batch)
+        out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
+        out["score_time_s"] = np.full(len(out[R.REWARD]), time.perf_counter() - t0, dtype=np.float64)
+        out["score_done_at"] = np.full(len(out[R.REWARD]), time.time(), dtype=np.float64)
         return out

@@ -1,0 +1,259 @@
+"""``loss_step``: one batch of rollouts -> one optimizer step, composed from the parts.
+
+The learner's per-batch computation as one Ray-free function, so the Ray pipeline and a plain
+PyTorch loop compose estimators and controllers identically (the pipeline adds only data
+movement, weight publication and telemetry). In order::
+
+    keep (consumption gate) -> student forward (eval mode, logits / tau) -> log pi_theta at the
+    generated tokens (gathered once) -> StepContext -> controller token weights -> estimator
+    loss -> rescale to the global normaliser -> backward (DDP all-reduce) -> gradient
+    transforms -> clip -> LR scale -> optimizer step -> after_step
+
+Learner version ``v`` = optimizer steps applied; a sample's lag here is ``v - version_first``.
+A call takes no optimizer step when every sample on every rank was dropped, or when the loss or
+gradient is not finite (the step is skipped and reported, the weights are unchanged).
+
+Why the rescale: an estimator's ``token_mean`` divides by its *local* token count, and DDP then
+averages ranks, so without it a token on a rank with few valid tokens weighs more than one on
+a busy rank. ``loss_step`` multiplies the loss by ``n_local * world / n_global`` (the
+estimator's ``EstimatorOutput.normalizer``), which makes every valid token (or sample, for
+``seq_mean``) count the same over all ranks, and a rank whose samples were all dropped
+contributes nothing instead of halving the gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl import records as R
+from asyncrl.collectives import LOCAL, Collectives
+from asyncrl.controllers.base import SampleInfo, StepContext
+from asyncrl.estimators import accepts_token_logprobs
+from asyncrl.estimators.functional import gather_logprobs, kl_k3
+
+#: columns ``loss_step`` reads besides those of ``asyncrl.records.COLUMNS`` (bookkeeping, numpy)
+META_COLUMNS = (R.SAMPLE_ID, R.GROUP_ID, R.VERSION_FIRST, R.VERSION_LAST)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the step computes: clipping, chunking and the sampling temperature.
+
+    ``temperature`` is the rollout engine's tau: the behavior policy is ``softmax(z / tau)``, so
+    the learner's ``pi_theta`` is computed at the same tau, or lag-0 importance ratios are not 1.
+    """
+
+    grad_clip: float = 1.0
+    logits_chunk: int = 0
+    temperature: float = 1.0
+
+
+@dataclass
+class StepParts:
+    """The parts a step composes, bound once per run.
+
+    ``backend``: the ``asyncrl.backends.LearnerBackend`` seam (model, optimizer, LR schedule).
+    ``controllers``: a ``chain(...)`` (or any object with every controller hook).
+    """
+
+    backend: Any
+    estimator: Any
+    controllers: Any
+    options: StepOptions = field(default_factory=StepOptions)
+    comm: Collectives = LOCAL
+    #: the estimator takes the learner's token log-probs (signature inspected once, here)
+    hand_logprobs: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hand_logprobs = accepts_token_logprobs(self.estimator)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``loss_step`` did. Counts and ``*_global`` tensors cover every DP rank;
+    ``samples`` holds this rank's per-sample values (NaN where a sample was dropped)."""
+
+    stepped: bool  # an optimizer step was applied (the learner version advanced by one)
+    nonfinite: bool  # the loss or the gradient was not finite: no step taken
+    version: int  # learner version after the call
+    n_kept: int
+    n_dropped: int
+    loss: float  # global loss: sum over ranks of the estimator's numerator / global normaliser
+    grad_norm: float
+    lr_scheduled: float
+    lr_applied: float
+    kl_behavior_current: float  # KL(pi_b || pi_theta) per valid token (k3), global mean
+    tokens: int  # valid completion tokens of kept samples, all ranks
+    lags_global: torch.Tensor  # [N_kept_global] head lags of the kept samples
+    seq_log_ratio_global: torch.Tensor  # [N_kept_global] log pi_theta(y) / pi_b(y)
+    metrics: dict[str, float]  # the estimator's and controllers' own metrics (their keys)
+    samples: dict[str, np.ndarray]  # per local sample: kept, lag, loss, kl_behavior_current, seq_log_ratio
+
+
+def sample_info(batch: Mapping[str, Any]) -> SampleInfo:
+    """Bookkeeping columns of a batch as the controllers' ``SampleInfo``."""
+    return SampleInfo(
+        sample_id=np.asarray(batch[R.SAMPLE_ID]),
+        group_id=np.asarray(batch[R.GROUP_ID]),
+        version_first=np.asarray(batch[R.VERSION_FIRST]),
+        version_last=np.asarray(batch[R.VERSION_LAST]),
+    )
+
+
+def split_minibatches(
+    batch: Mapping[str, Any], keep: np.ndarray, n: int
+) -> list[tuple[dict[str, Any], np.ndarray]]:
+    """Split a rollout batch (and its ``keep`` verdict) into ``n`` consecutive mini-batches of
+    equal size. Groups are consecutive rows, so whole groups stay together when the batch holds
+    ``n`` x whole groups (checked when the run is planned)."""
+    size = len(keep)
+    if n < 1 or size % n:
+        raise ValueError(f"a batch of {size} samples cannot be split into {n} equal mini-batches")
+    m = size // n
+    return [
+        ({k: v[i * m : (i + 1) * m] for k, v in batch.items()}, keep[i * m : (i + 1) * m]) for i in range(n)
+    ]
+
+
+def student_logits(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], tau: float) -> torch.Tensor:
+    """Student logits aligned to completion tokens, at the sampling temperature: ``z / tau``."""
+    logits = R.completion_logits(
+        model, batch[R.PROMPT_IDS], batch[R.PROMPT_MASK], batch[R.COMPLETION_IDS], batch[R.COMPLETION_MASK]
+    )
+    return logits if tau == 1.0 else logits / tau
+
+
+def loss_step(
+    batch: Mapping[str, Any],
+    parts: StepParts,
+    version: int,
+    *,
+    keep: np.ndarray | None = None,
+) -> StepResult:
+    """One consumption and (unless nothing is kept anywhere) one optimizer step.
+
+    ``batch``: the rollout record columns (numpy or torch) plus ``sample_id``, ``group_id``,
+    ``version_first``, ``version_last``. ``version``: the learner version before the step.
+    ``keep``: a precomputed consumption verdict [N] (e.g. once per rollout batch when it is
+    split into mini-batches); by default ``parts.controllers.keep(info, version)``.
+    """
+    backend, controllers, comm, opts = parts.backend, parts.controllers, parts.comm, parts.options
+    info = sample_info(batch)
+    if keep is None:
+        keep = controllers.keep(info, version)
+    keep = np.asarray(keep, dtype=bool)
+    n_kept, n_drop = (int(v) for v in comm.all_sum([float(keep.sum()), float((~keep).sum())]))
+    lags_np = info.lag(version)
+    nan = np.full(len(keep), np.nan)
+    samples = {"kept": keep, "lag": lags_np, "loss": nan, "kl_behavior_current": nan, "seq_log_ratio": nan}
+    lr_sched = float(backend.base_lr(version))
+    if n_kept == 0:  # every sample on every rank dropped: consumed, counted, no step
+        return StepResult(
+            stepped=False, nonfinite=False, version=version, n_kept=0, n_dropped=n_drop, loss=math.nan,
+            grad_norm=math.nan, lr_scheduled=lr_sched, lr_applied=0.0, kl_behavior_current=math.nan,
+            tokens=0, lags_global=torch.zeros(0, dtype=torch.long),
+            seq_log_ratio_global=torch.zeros(0, dtype=torch.float64), metrics=dict(controllers.metrics()),
+            samples=samples,
+        )  # fmt: skip
+
+    device = next(backend.module.parameters()).device
+    tb = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
+    tb = {k: v.to(device) for k, v in R.trim_to_longest(tb).items()}
+    keep_t = torch.from_numpy(keep).to(device)
+    mask = tb[R.COMPLETION_MASK] & keep_t[:, None]
+    lags = torch.from_numpy(np.asarray(lags_np)).to(device)
+
+    logits = student_logits(backend.model, tb, opts.temperature)
+    # log pi_theta at the generated tokens, gathered once: with grad only if the estimator takes
+    # it, detached for the controllers and telemetry
+    with torch.set_grad_enabled(parts.hand_logprobs):
+        logp_grad = gather_logprobs(logits, tb[R.COMPLETION_IDS], chunk_size=opts.logits_chunk)
+    logp = logp_grad.detach()
+    behavior = tb[R.BEHAVIOR_LOGPROBS]
+    log_ratio = torch.where(mask, logp - behavior, torch.zeros_like(logp))
+    seq_log_ratio = log_ratio.sum(1)
+    kept_idx = keep_t.nonzero().squeeze(1)
+    sctx = StepContext(
+        step=version,
+        base_lr=lr_sched,
+        mask=mask,
+        logprobs=logp,
+        behavior_logprobs=behavior,
+        token_versions=tb[R.TOKEN_VERSIONS],
+        lags=lags,
+        group_ids=torch.from_numpy(info.group_id).to(device),
+        seq_log_ratio=comm.all_cat(seq_log_ratio[kept_idx]),
+        lags_global=comm.all_cat(lags[kept_idx]),
+        world_size=comm.world,
+        rank=comm.rank,
+    )
+    weights = controllers.token_weights(sctx)
+    est_batch = dict(tb)
+    est_batch[R.COMPLETION_MASK] = mask
+    given = {"token_logprobs": logp_grad} if parts.hand_logprobs else {}
+    out = parts.estimator(logits, est_batch, token_weights=weights, **given)
+
+    # KL(pi_b || pi_theta) per valid token (k3 on the sampled tokens), reduced with the loss below
+    k3_tok = torch.where(mask, kl_k3(behavior, logp), torch.zeros_like(logp))
+    n_tok_local = float(mask.sum())
+    norm_local = float(out.normalizer) if getattr(out, "normalizer", None) is not None else None
+    loss_local = float(out.loss.detach())
+    sums = comm.all_sum(
+        [
+            float(k3_tok.sum()),
+            n_tok_local,
+            loss_local * (norm_local if norm_local is not None else 1.0),
+            norm_local if norm_local is not None else 1.0,
+        ]
+    )
+    kl_sum, n_tok, loss_num, norm_global = sums
+    loss = out.loss
+    if comm.world > 1 and norm_local is not None:
+        # every valid token (sample) over all ranks counts the same: see the module docstring
+        loss = loss * (norm_local * comm.world / max(norm_global, 1e-12))
+
+    backend.backward(loss)
+    if backend.supports_gradient_transform:
+        controllers.transform_gradient(backend.gradients(), sctx)
+    grad_norm = backend.clip_and_norm(opts.grad_clip)
+    nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss_num))
+    if nonfinite:  # skip: the weights and the optimizer state stay as they were
+        scale, applied = 0.0, 0.0
+    else:
+        scale = float(controllers.lr_scale(sctx))
+        applied = backend.step(version, scale)
+        controllers.after_step(sctx)
+
+    n_tok_sample = mask.sum(1).clamp_min(1)
+    per_sample_loss = out.per_sample.get("loss")
+    samples["seq_log_ratio"] = torch.where(keep_t, seq_log_ratio, float("nan")).double().cpu().numpy()
+    samples["kl_behavior_current"] = (
+        torch.where(keep_t, k3_tok.sum(1) / n_tok_sample, float("nan")).double().cpu().numpy()
+    )
+    if per_sample_loss is not None:
+        samples["loss"] = torch.where(keep_t, per_sample_loss.detach().double(), float("nan")).cpu().numpy()
+    metrics = dict(out.metrics)
+    metrics.update(controllers.metrics())
+    return StepResult(
+        stepped=not nonfinite,
+        nonfinite=nonfinite,
+        version=version + (0 if nonfinite else 1),
+        n_kept=n_kept,
+        n_dropped=n_drop,
+        loss=loss_num / norm_global if norm_global > 0 else math.nan,
+        grad_norm=float(grad_norm),
+        lr_scheduled=lr_sched,
+        lr_applied=float(applied),
+        kl_behavior_current=kl_sum / n_tok if n_tok > 0 else math.nan,
+        tokens=int(n_tok),
+        lags_global=sctx.lags_global.cpu(),
+        seq_log_ratio_global=sctx.seq_log_ratio.double().cpu(),
+        metrics=metrics,
+        samples=samples,
+    )

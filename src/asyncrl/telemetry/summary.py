@@ -1,0 +1,89 @@
+"""summary.json: the final figures of a run, computed from what the run directory holds.
+
+Written by the driver when the pipeline finishes (``asyncrl.pipeline.run``); every figure is
+derived from ``metrics.jsonl`` and ``samples.parquet`` plus the coordinator's counters, so a
+summary can be recomputed from a run directory at any time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.telemetry import names as N
+from asyncrl.telemetry.sinks import read_metrics
+from asyncrl.telemetry.sinks import read_samples as read_table
+
+
+def read_samples(run_dir: str | Path) -> Any:
+    """samples.parquet (or its live part files) as a pandas DataFrame; empty if none yet."""
+    import pandas as pd
+
+    table = read_table(run_dir)
+    return table.to_pandas() if table is not None else pd.DataFrame()
+
+
+def steady_throughput(metrics: list[dict[str, Any]]) -> float | None:
+    """Samples/s between the first and last step, excluding evaluation time and start-up."""
+    steps = [m for m in metrics if m.get(N.STEP, 0) >= 1 and N.SAMPLES_KEPT in m]
+    if len(steps) < 2:
+        return None
+    first, last = steps[0], steps[-1]
+    dt = (last[N.TIME_S] - last.get("time/eval_total_s", 0.0)) - (
+        first[N.TIME_S] - first.get("time/eval_total_s", 0.0)
+    )
+    n = sum(m[N.SAMPLES_KEPT] for m in steps[1:])
+    return n / dt if dt > 0 else None
+
+
+def summarize(
+    run_dir: str | Path,
+    *,
+    algo: str,
+    estimator: str,
+    max_lag: int,
+    teacher_accuracy: float | None,
+    wall_s: float,
+    store_stats: dict[str, Any],
+) -> dict[str, Any]:
+    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS`` and the ledger counts)."""
+    metrics = read_metrics(run_dir)
+    samples = read_samples(run_dir)
+    evals = [m[N.EVAL_ACCURACY] for m in metrics if N.EVAL_ACCURACY in m]
+    kept = samples[samples["kept"]] if len(samples) else samples
+    lags = kept["lag"].to_numpy() if len(kept) else np.zeros(0)
+    return {
+        "algo": algo,
+        "estimator": estimator,
+        "max_lag": max_lag,
+        "steps": max((m.get(N.STEP, 0) for m in metrics), default=0),
+        "samples_trained": len(kept),
+        "samples_dropped": int(len(samples) - len(kept)),
+        "wall_time_s": wall_s,
+        "samples_per_s": steady_throughput(metrics),
+        "lag_p50": float(np.median(lags)) if len(lags) else None,
+        "lag_max": int(lags.max()) if len(lags) else None,
+        "eval_accuracy_initial": evals[0] if evals else None,
+        "eval_accuracy_final": evals[-1] if evals else None,
+        "teacher_accuracy": teacher_accuracy,
+        "reward_mean_first": _mean_reward(kept, first=True),
+        "reward_mean_last": _mean_reward(kept, first=False),
+        "admission_wait_s": store_stats.get("admission_wait_s"),
+        # samples that were in flight when the run was last checkpointed and had to be generated again
+        "in_flight_regenerated_on_resume": store_stats.get("budget/lost", 0),
+        # blocks re-run after their generator died (they kept their admission: no budget leaked)
+        "generation_retries": store_stats.get("budget/retries", 0),
+        "engine_restarts": store_stats.get("engine_deaths", 0),
+        "run_dir": str(run_dir),
+    }
+
+
+def _mean_reward(kept: Any, *, first: bool) -> float | None:
+    if not len(kept) or "reward" not in kept:
+        return None
+    steps = sorted(kept["step"].unique())
+    k = max(1, len(steps) // 4)
+    sel = steps[:k] if first else steps[-k:]
+    return float(kept[kept["step"].isin(sel)]["reward"].mean())
