@@ -29,13 +29,14 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "tasks": ("asyncrl.workloads.tasks", "TASKS"),
     "engines": ("asyncrl.engines", "ENGINES"),
     "presets": ("asyncrl.workloads.presets", "PRESETS"),
+    "tokenizers": ("asyncrl.workloads.tokenizer", "TOKENIZERS"),
 }
 
 DEMO_STEPS = 60
 DEMO_MAX_LAG = 2
-#: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml)
+#: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml);
+#: generation is sized from the task (sampling.max_new_tokens: auto) unless overridden
 DEMO_OVERRIDES = (
-    "sampling.max_new_tokens=6",
     "train.batch_size=32",
     "train.eval_every=20",
     "train.eval_size=256",
@@ -239,7 +240,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from asyncrl.workloads.checkpoints import load_model
     from asyncrl.workloads.evaluate import exact_match
-    from asyncrl.workloads.tasks import get_task
+    from asyncrl.workloads.tasks import answer_token_budget, get_task
 
     if args.n < 1:
         raise CLIError(f"--n must be >= 1; got {args.n}", EXIT_USAGE)
@@ -248,7 +249,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     hint = f"run `asyncrl pretrain --task {args.task} --preset small` and pass a directory it prints"
     model, tokenizer = load_model(args.model, hint=hint)
     examples = task.make_examples("eval", args.n, args.seed)
-    max_new = args.max_new_tokens or task.max_answer_chars + 1  # + EOS
+    max_new = args.max_new_tokens or answer_token_budget(task, tokenizer)  # longest answer + EOS, in tokens
     acc = exact_match(model, tokenizer, task, examples, max_new_tokens=max_new, batch_size=args.batch_size)
     print(f"{args.model}: exact match {acc:.4f} on {len(examples)} {args.task} eval examples (greedy)")
     return 0
@@ -516,7 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=256, help="number of eval examples")
     p.add_argument("--seed", type=int, default=0, help="seed of the eval examples")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
-    p.add_argument("--max-new-tokens", type=int, default=0, help="default: the task's longest answer + 1")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=0, help="default: the task's longest answer in tokens + 1 (EOS)"
+    )
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1), help="torch threads")
 
     p = add(

@@ -23,7 +23,7 @@ from asyncrl.raysetup import DEFAULT_TICK_S
 @dataclass(frozen=True)
 class WorkloadConfig:
     task: str = field("addition", help="built-in task (asyncrl ls tasks) or a dotted path to a Task")
-    preset: str = field("small", help="model preset for the built-in teacher/student (tiny | small)")
+    preset: str = field("small", help="model preset for the built-in teacher/student (asyncrl ls presets)")
     cache_dir: str = field(".asyncrl_cache", help="where pretrained checkpoints are cached")
     teacher_path: str | None = field(None, help="HF checkpoint dir of a teacher on disk (overrides preset)")
     student_path: str | None = field(None, help="HF checkpoint dir of a student on disk (overrides preset)")
@@ -256,7 +256,30 @@ def load_config(
         )
     cfg = from_dict(RunConfig, data)
     resolve_components(cfg)
-    return cfg
+    return resolve_auto(cfg)
+
+
+def resolve_auto(cfg: RunConfig) -> RunConfig:
+    """Fill the settings left to the workload (idempotent; ``load_config`` and ``asyncrl.run`` call it).
+
+    ``sampling.max_new_tokens: auto`` becomes the task's longest answer in tokens of the run's
+    tokenizer + 1 for EOS (``asyncrl.workloads.tasks.answer_token_budget``): long answers are
+    never cut and short ones waste no generation. The tokenizer is the student's
+    (``workload_tokenizer``), so a BPE that packs digits or letters is measured as it encodes.
+    """
+    if cfg.sampling.max_new_tokens != "auto":
+        return cfg
+    from dataclasses import replace
+
+    from asyncrl.workloads.pretrain import workload_tokenizer
+    from asyncrl.workloads.tasks import answer_token_budget, get_task
+
+    w = cfg.workload
+    tokenizer = workload_tokenizer(
+        w.task, w.preset, cache_dir=w.cache_dir, seed=w.pretrain_seed, student_path=w.student_path
+    )
+    budget = answer_token_budget(get_task(w.task), tokenizer, seed=w.pretrain_seed)
+    return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=budget))
 
 
 def resolve_components(cfg: RunConfig) -> None:
