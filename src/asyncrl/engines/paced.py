@@ -97,21 +97,14 @@ class PacedEngine:
         )
 
     @classmethod
-    def check_supported(
-        cls,
-        path: str | Path | None,
-        params: SamplingParams,
-        *,
-        latency_s: float = 1.0,
-        tail_prob: float = 0.0,
-        tail_factor: float = 10.0,
-        tail_seed: int = 0,
-        inner: str = "hf",
-        **inner_options: Any,
-    ) -> None:
-        """The inner engine's checks, and the pacing options' ranges."""
-        cls(None, latency_s=latency_s, tail_prob=tail_prob, tail_factor=tail_factor, tail_seed=tail_seed)
-        cls._inner_class(inner).check_supported(path, params, **inner_options)
+    def check_supported(cls, path: str | Path | None, params: SamplingParams, **options: Any) -> None:
+        """The pacing options' ranges, then the inner engine's own checks with its options."""
+        pacing = {
+            k: options.pop(k) for k in ("latency_s", "tail_prob", "tail_factor", "tail_seed") if k in options
+        }
+        inner = options.pop("inner", "hf")
+        cls(None, **{"latency_s": 1.0, **pacing})
+        cls._inner_class(inner).check_supported(path, params, **options)
 
     @property
     def version(self) -> int:
