@@ -207,12 +207,11 @@ class _Rollout:
 
 
 class _Worker:
-    """One generator actor: its block, its admission and what it is doing."""
+    """One generator actor: its block and what it is doing."""
 
     def __init__(self) -> None:
         self.block: int | None = None
         self.state = "idle"  # idle | requesting | waiting | generating | restarting
-        self.admission: Admission | None = None
         self.attempt = 0
 
 
@@ -327,7 +326,6 @@ class _Sim:
                 continue
             worker.block = self.n_dispatched_blocks
             self.n_dispatched_blocks += 1
-            worker.admission = None
             self._request(w)
 
     def _request(self, w: int) -> None:
@@ -361,7 +359,6 @@ class _Sim:
         block = worker.block
         assert block is not None
         retry = block in self.block_rows
-        worker.admission = admission
         worker.state = "generating"
         behavior = admission.behavior_version
         if behavior is not None and self.version - behavior > self.keep_versions:
@@ -414,7 +411,7 @@ class _Sim:
             self.rows["t_done"][i] = self.t
             if self.cfg.inflight_updates:
                 self.rows["version_last"][i] = self.version
-        worker.state, worker.block, worker.admission = "idle", None, None
+        worker.state, worker.block = "idle", None
         self.generated[block] = self.block_rows[block]
         while self.next_gen_release in self.generated:  # preserve_order
             b = self.next_gen_release
