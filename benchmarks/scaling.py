@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--generators", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--lags", type=int, nargs="+", default=[0, 1, 4])
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=16, help="train.batch_size B (one block per rollout batch)")
     ap.add_argument("--ratio", type=float, default=4.0, help="block generation time / learner step time")
     ap.add_argument("--tail-prob", type=float, default=0.0, help="heavy-tail run: P(a sample is 10x longer)")
     ap.add_argument("--tail-factor", type=float, default=10.0)
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"run_dir={root / name}",
             f"workload.cache_dir={args.cache_dir}",
             f"train.steps={args.steps}",
+            f"train.batch_size={args.batch}",
             "train.eval_every=0",
             "telemetry.progress=false",
             "telemetry.tensorboard=false",
@@ -201,6 +203,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cells = [next(r for r in rows if r[0] == n and r[1] == S) for S in args.lags]
         line = " ".join(f"{r[2]:7.1f} ({r[2] / r[3]:3.0%})" for r in cells)
         print(f"{n:10d} {line} {cells[0][3]:7.1f}")
+    if 1 in args.generators:
+        # the pipeline's own cost per block (admission, weights, Ray Data hand-offs, scoring) is
+        # outside the engine's latency: one generator at the largest S shows it, and N generators
+        # scale against N times that generator, up to the learner
+        one = next(r for r in rows if r[0] == 1 and r[1] == max(args.lags))[2]
+        figures["per_block_overhead_s"] = B / one - latency
+        print(
+            f"one generator: {one:.1f} samples/s, i.e. {(B / one - latency) * 1000:.0f} ms per block beyond "
+            f"the engine's {latency * 1000:.0f} ms; against min(N x that, learner):"
+        )
+        for n in args.generators:
+            ref = min(n * one, learner_rate)
+            rates = [next(r for r in rows if r[0] == n and r[1] == S)[2] for S in args.lags]
+            figures[f"g{n}_vs_one"] = [rate / ref for rate in rates]
+            print(f"{n:10d} " + " ".join(f"{rate / ref:14.0%}" for rate in rates) + f" {ref:7.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return figures
