@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"heavy tail (each sample {args.tail_factor:g}x longer w.p. {args.tail_prob}, a block "
                 f"w.p. {p_block:.2f}), generators={n} max_lag={S}: {rate:.1f} samples/s = {rate / ideal:.0%} "
                 f"of ideal {ideal:.1f}; the discrete-event model predicts {sim.throughput:.1f}; longest "
-                f"learner wait {max(waits):.2f} s for a {latency * args.tail_factor:.2f} s straggler, of which "
-                f"D - S t_L = {latency * args.tail_factor - S * t_l:.2f} s is unavoidable in order at lag <= S"
+                f"learner wait {max(waits):.2f} s for a {latency * args.tail_factor:.2f} s straggler, "
+                f"of which D - S t_L = {latency * args.tail_factor - S * t_l:.2f} s is unavoidable "
+                f"(in order, at lag <= S)"
             )
     finally:
         ray.shutdown()
