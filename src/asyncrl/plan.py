@@ -116,7 +116,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     from asyncrl.caches import cache_options as options_for
     from asyncrl.controllers import build_chain
     from asyncrl.engines import ENGINES
-    from asyncrl.engines.base import SamplingParams
+    from asyncrl.engines.base import SamplingParams, check_engine
     from asyncrl.estimators import build as build_estimator
 
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
@@ -148,8 +148,11 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
         raise ValueError(
             "sampling.temperature=0 is greedy; training needs a sampling distribution (e.g. 1.0)"
         )
-    # the engine decides what it can serve for this checkpoint (MC draws, kernels, its extra)
-    ENGINES.get(cfg.pipeline.engine).check_supported(
+    # a registered name or a dotted path: the class must be an engine that takes the options, and
+    # it decides what it can serve for this checkpoint (MC draws, kernels, its extra)
+    engine = ENGINES.get(cfg.pipeline.engine)
+    check_engine(engine, cfg.pipeline.engine, generator_engine_options(cfg))
+    engine.check_supported(
         student_dir, SamplingParams(**to_dict(cfg.sampling)), **dict(cfg.pipeline.engine_options)
     )
     tc, pc = cfg.train, cfg.pipeline
@@ -184,11 +187,14 @@ def generator_engine_options(cfg: RunConfig) -> dict[str, Any]:
     """``pipeline.engine_options`` plus what ``pipeline.device=cuda`` implies, unless set: the HF
     engine on ``cuda``, and vLLM's ``gpu_memory_utilization`` within the actor's GPU share (vLLM
     otherwise claims 90% of the device, which the learner and the teacher share)."""
+    from asyncrl.engines import ENGINES, HFEngine, VLLMEngine
+
     pc = cfg.pipeline
     options = dict(pc.engine_options)
-    if pc.device == "cuda" and pc.engine == "hf":
+    engine = ENGINES.get(pc.engine)  # also a dotted path, e.g. to a subclass
+    if pc.device == "cuda" and isinstance(engine, type) and issubclass(engine, HFEngine):
         options.setdefault("device", "cuda")
-    if pc.device == "cuda" and pc.engine == "vllm":
+    if pc.device == "cuda" and isinstance(engine, type) and issubclass(engine, VLLMEngine):
         options.setdefault("gpu_memory_utilization", round(0.9 * min(pc.gpus_per_actor, 1.0), 4))
     return options
 

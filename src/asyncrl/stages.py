@@ -30,6 +30,7 @@ from asyncrl.caches import CACHES, score_teacher
 from asyncrl.coordinator import PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
+from asyncrl.registry import RegistryError
 
 
 def batch_seed(seed: int, sample_ids: np.ndarray) -> int:
@@ -99,7 +100,14 @@ class Generate:
         max_engine_restarts: int = 3,
     ) -> None:
         torch.set_num_threads(torch_threads)
-        self.engine = ENGINES.get(engine).from_pretrained(student_dir, version=0, **(engine_options or {}))
+        try:
+            engine_cls = ENGINES.get(engine)
+        except RegistryError as err:  # the driver imported it; this Ray worker cannot
+            raise RegistryError(
+                f"{err} (in a generator actor: the module of a dotted-path pipeline.engine must be "
+                f"importable on every Ray node; install it, or put its directory on the workers' PYTHONPATH)"
+            ) from err
+        self.engine = engine_cls.from_pretrained(student_dir, version=0, **(engine_options or {}))
         self.params = SamplingParams(**sampling)
         self.store = PolicyStoreClient.connect(namespace, timeout_s=rpc_timeout_s, name=store_name)
         self.seed = seed
@@ -177,6 +185,9 @@ class Generate:
         result[R.VERSION_FIRST] = vfirst.to(torch.int64)
         result[R.VERSION_LAST] = vlast.to(torch.int64)
         result["ticket"] = np.full(n, admitted["ticket"], dtype=np.int64)
+        # the admission's facts, so a run shows what the controller chain decided for each block
+        result["admit_version"] = np.full(n, admitted["version"], dtype=np.int64)
+        result["expected_version"] = np.full(n, admitted["expected_version"], dtype=np.int64)
         result["gen_wait_s"] = np.full(n, t_start - t_wait, dtype=np.float64)
         result["gen_time_s"] = np.full(n, time.perf_counter() - t_start, dtype=np.float64)
         result["gen_done_at"] = np.full(n, time.time(), dtype=np.float64)

@@ -9,11 +9,12 @@ distribution (column 0 = the generated token) with their log-probabilities.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -103,6 +104,36 @@ class RolloutEngine(Protocol):
     ) -> dict[str, torch.Tensor]: ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
+
+
+#: what the pipeline calls on an engine class (``pipeline.engine``): check_supported in the driver,
+#: from_pretrained in every generator actor, then generate / load_weights / version per block
+ENGINE_HOOKS = ("from_pretrained", "check_supported", "generate", "load_weights")
+
+
+def check_engine(engine: Any, name: str, options: Mapping[str, Any]) -> None:
+    """Refuse, before any actor starts, an engine the generator actors could not build.
+
+    ``engine`` is what ``pipeline.engine`` names (a registered name or a dotted path
+    ``package.module:Class``); it must provide the ``RolloutEngine`` hooks, and its
+    ``from_pretrained(path, version=0, **options)`` must take ``pipeline.engine_options``. Why
+    here: a user engine with a missing method or a misspelt option otherwise fails inside a Ray
+    actor, after the models were loaded, with a traceback instead of the setting to change.
+    """
+    missing = [h for h in ENGINE_HOOKS if not callable(getattr(engine, h, None))]
+    if missing:
+        raise ValueError(
+            f"pipeline.engine={name!r} is not a rollout engine: it has no {', '.join(missing)}; implement "
+            f"the asyncrl.engines.RolloutEngine protocol ({', '.join(ENGINE_HOOKS)} and a version property)"
+        )
+    try:
+        inspect.signature(engine.from_pretrained).bind("checkpoint", version=0, **options)
+    except TypeError as err:
+        sig = inspect.signature(engine.from_pretrained)
+        raise ValueError(
+            f"pipeline.engine_options={dict(options)!r} do not fit {name}.from_pretrained{sig} ({err}); "
+            f"use only the options it takes"
+        ) from None
 
 
 def checkpoint_dir(path: str | Path) -> Path:

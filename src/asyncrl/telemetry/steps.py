@@ -21,8 +21,13 @@ from asyncrl.controllers.functional import ess_fraction
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.staleness import per_bucket
 
-#: bookkeeping and timing columns copied from the batch into samples.parquet when present
+#: bookkeeping and timing columns copied from the batch into samples.parquet when present: the
+#: block's position in the stream, the learner version at its admission and the version the
+#: admission expected to train it (``AdmissionBudget``), placement and timings
 BATCH_EXTRAS = (
+    R.BLOCK_INDEX,
+    "admit_version",
+    "expected_version",
     "gen_node",
     "score_node",
     "gen_time_s",
