@@ -35,7 +35,8 @@ from asyncrl import records as R
 from asyncrl.collectives import LOCAL, Collectives
 from asyncrl.controllers.base import SampleInfo, StepContext
 from asyncrl.estimators import accepts_token_logprobs
-from asyncrl.estimators.functional import gather_logprobs, kl_k3
+from asyncrl.estimators.functional import gather_logprobs
+from asyncrl.logratio import kl_qp_k3
 
 #: columns ``loss_step`` reads besides those of ``asyncrl.records.COLUMNS`` (bookkeeping, numpy)
 META_COLUMNS = (R.SAMPLE_ID, R.GROUP_ID, R.VERSION_FIRST, R.VERSION_LAST)
@@ -200,7 +201,7 @@ def loss_step(
     out = parts.estimator(logits, est_batch, token_weights=weights, **given)
 
     # KL(pi_b || pi_theta) per valid token (k3 on the sampled tokens), reduced with the loss below
-    k3_tok = torch.where(mask, kl_k3(behavior, logp), torch.zeros_like(logp))
+    k3_tok = torch.where(mask, kl_qp_k3(behavior, logp), torch.zeros_like(logp))
     n_tok_local = float(mask.sum())
     norm_local = float(out.normalizer) if getattr(out, "normalizer", None) is not None else None
     loss_local = float(out.loss.detach())

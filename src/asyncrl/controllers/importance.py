@@ -20,15 +20,8 @@ import torch
 from asyncrl.configurable import check, field
 from asyncrl.controllers.base import StepContext
 from asyncrl.controllers.factory import CONTROLLERS
-from asyncrl.controllers.functional import (
-    Action,
-    Level,
-    ess_fraction,
-    kl_k1,
-    kl_k3,
-    masked_mean,
-    truncated_is_weights,
-)
+from asyncrl.controllers.functional import Action, Level, ess_fraction, truncated_is_weights
+from asyncrl.logratio import kl_qp_k1, kl_qp_k3, masked_mean
 
 
 @dataclass(frozen=True)
@@ -81,8 +74,8 @@ class TruncatedIS:
                 "is/frac_truncated": float(out.truncated.sum()) / n,
                 "is/frac_masked": float(out.masked.sum()) / n,
                 "is/ess_tok_frac": float(ess_fraction(lr)),
-                "is/kl_k1": float(masked_mean(kl_k1(log_ratio), m)),
-                "is/kl_k3": float(masked_mean(kl_k3(log_ratio), m)),
+                "is/kl_k1": float(masked_mean(kl_qp_k1(ctx.behavior_logprobs, ctx.logprobs), m)),
+                "is/kl_k3": float(masked_mean(kl_qp_k3(ctx.behavior_logprobs, ctx.logprobs), m)),
             }
         else:
             self._metrics = {}

@@ -28,6 +28,8 @@ from typing import Literal
 import torch
 from torch.autograd.function import once_differentiable
 
+from asyncrl.logratio import importance_log_ratio
+
 Tail = Literal["drop", "bucket", "renorm"]
 Form = Literal["value", "pg"]
 Advantage = Literal["online", "stale"]
@@ -42,9 +44,7 @@ __all__ = [
     "forward_kl_topk_from_logprobs",
     "gather_logprobs",
     "grpo_advantages",
-    "importance_log_ratio",
-    "kl_k1",
-    "kl_k3",
+    "importance_log_ratio",  # re-exported from asyncrl.logratio, its home
     "log1mexp",
     "log_tail_mass",
     "policy_gradient_loss",
@@ -56,9 +56,6 @@ __all__ = [
     "reverse_kl_topk",
     "reverse_kl_topk_from_logprobs",
 ]
-
-#: |log ρ| is clamped here before exponentiating (as AsyncOPD does) so one wild token cannot overflow.
-LOG_RATIO_CLAMP = 20.0
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -96,25 +93,6 @@ def log_tail_mass(logprobs: torch.Tensor) -> torch.Tensor:
     """
     lse = torch.logsumexp(logprobs, dim=-1)
     return log1mexp(lse.clamp(max=_log_mass_ceiling(logprobs.dtype)))
-
-
-def importance_log_ratio(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torch.Tensor:
-    """``log ρ = log π_θ − log π_b``, clamped to ``±LOG_RATIO_CLAMP`` (differentiable inside)."""
-    return (logprobs - behavior_logprobs.to(logprobs.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k1 per-token KL estimate ``log π_θ − log π_ref`` (unbiased for KL(π_θ‖π_ref) under y ~ π_θ)."""
-    return logprobs - ref_logprobs.to(logprobs.dtype)
-
-
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k3 per-token KL estimate ``e^u − u − 1`` with ``u = log π_ref − log π_θ`` (Schulman 2020).
-
-    Non-negative, unbiased for KL(π_θ‖π_ref) under y ~ π_θ, lower variance than k1.
-    """
-    u = (ref_logprobs.to(logprobs.dtype) - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.expm1(u) - u
 
 
 # --- chunked log-softmax gather -------------------------------------------------------------------

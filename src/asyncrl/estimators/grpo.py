@@ -16,20 +16,15 @@ from asyncrl import records as R
 from asyncrl.configurable import check, field
 from asyncrl.estimators.base import ESTIMATORS
 from asyncrl.estimators.columns import check_logprob_column, fill_padding
-from asyncrl.estimators.functional import (
-    grpo_advantages,
-    importance_log_ratio,
-    kl_k3,
-    policy_gradient_loss,
-)
+from asyncrl.estimators.functional import grpo_advantages, policy_gradient_loss
 from asyncrl.estimators.token_loss import (
     EstimatorInputs,
     EstimatorOptions,
     TokenLoss,
     TokenLossEstimator,
     masked_max,
-    masked_mean,
 )
+from asyncrl.logratio import importance_log_ratio, kl_qp_k3, masked_mean
 
 #: log π_ref of each generated token under a frozen reference model; read only when ``kl_coef > 0``.
 #: Not a records contract column: whoever sets ``kl_coef`` must add it to the batch.
@@ -103,18 +98,18 @@ class GRPO(TokenLossEstimator):
         if cfg.kl_coef > 0:
             check_logprob_column(self.name, REF_LOGPROBS, batch[REF_LOGPROBS], mask)
             ref = fill_padding(batch[REF_LOGPROBS].to(lq.dtype), mask, 0.0)
-            kl = kl_k3(lq, ref)
+            kl = kl_qp_k3(lq, ref)
             per_token = per_token + cfg.kl_coef * kl
-            metrics["est/kl_ref"] = masked_mean(kl, mask)
+            metrics["est/kl_ref"] = float(masked_mean(kl, mask))
         with torch.no_grad():
             rho = importance_log_ratio(lq.detach(), lb).exp()
-            metrics["est/is_ratio_mean"] = masked_mean(rho, mask)
+            metrics["est/is_ratio_mean"] = float(masked_mean(rho, mask))
             metrics["est/is_ratio_max"] = masked_max(rho, mask)
             if cfg.clip_eps is not None:
                 high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
                 a = adv.unsqueeze(-1)
                 clipped = ((a > 0) & (rho > 1 + high)) | ((a < 0) & (rho < 1 - cfg.clip_eps))
-                metrics["est/clip_frac"] = masked_mean(clipped.to(lq.dtype), mask)
+                metrics["est/clip_frac"] = float(masked_mean(clipped.to(lq.dtype), mask))
             metrics["est/reward_mean"] = float(batch[R.REWARD].double().mean()) if adv.numel() else 0.0
             metrics["est/adv_abs_mean"] = float(adv.abs().mean()) if adv.numel() else 0.0
             metrics["est/zero_adv_frac"] = float((adv == 0).double().mean()) if adv.numel() else 0.0

@@ -28,8 +28,8 @@ from asyncrl.estimators.token_loss import (
     EstimatorOptions,
     TokenLoss,
     TokenLossEstimator,
-    masked_mean,
 )
+from asyncrl.logratio import masked_mean
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ class _SupportKL(TokenLossEstimator):
             lp = fill_padding(batch[R.TEACHER_TOPK_LOGPROBS].to(lq.dtype), mask, -math.log(k + 1))
             per_token = self._topk_fn(lq, lp, tail=cfg.tail)
             with torch.no_grad():
-                metrics["est/teacher_mass"] = masked_mean(torch.logsumexp(lp, -1).exp(), mask)
-                metrics["est/student_mass"] = masked_mean(torch.logsumexp(lq, -1).exp(), mask)
-        metrics["est/kl_value"] = masked_mean(per_token, mask)
+                metrics["est/teacher_mass"] = float(masked_mean(torch.logsumexp(lp, -1).exp(), mask))
+                metrics["est/student_mass"] = float(masked_mean(torch.logsumexp(lq, -1).exp(), mask))
+        metrics["est/kl_value"] = float(masked_mean(per_token, mask))
         return TokenLoss(per_token, metrics)
 
 

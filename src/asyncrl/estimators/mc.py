@@ -20,7 +20,6 @@ from asyncrl.estimators.base import ESTIMATORS
 from asyncrl.estimators.columns import fill_padding
 from asyncrl.estimators.functional import (
     forward_kl_mc_from_logprobs,
-    importance_log_ratio,
     reverse_kl_mc_from_logprobs,
     reverse_kl_stratified_from_logprobs,
 )
@@ -30,8 +29,8 @@ from asyncrl.estimators.token_loss import (
     TokenLoss,
     TokenLossEstimator,
     masked_max,
-    masked_mean,
 )
+from asyncrl.logratio import importance_log_ratio, masked_mean
 
 
 def _ratio_metrics(
@@ -47,9 +46,9 @@ def _ratio_metrics(
     rho = log_rho.exp()
     ess = torch.exp(2 * torch.logsumexp(log_rho, -1) - torch.logsumexp(2 * log_rho, -1) - math.log(m))
     return {
-        "est/is_ratio_mean": masked_mean(rho, draw_mask),
+        "est/is_ratio_mean": float(masked_mean(rho, draw_mask)),
         "est/is_ratio_max": masked_max(rho, draw_mask),
-        "est/ess_mc": masked_mean(ess, mask),
+        "est/ess_mc": float(masked_mean(ess, mask)),
     }
 
 
@@ -152,12 +151,12 @@ class ReverseKLMC(TokenLossEstimator):
             lqd = lq.detach()
             log_rho = importance_log_ratio(lqd, lb)
             metrics = _ratio_metrics(log_rho, mask)
-            metrics["est/kl_value"] = masked_mean((log_rho.exp() * (lqd - lp)).mean(-1), mask)
+            metrics["est/kl_value"] = float(masked_mean((log_rho.exp() * (lqd - lp)).mean(-1), mask))
             if cfg.form == "pg" and cfg.clip_eps is not None:
                 adv = lp - (lqd if cfg.advantage == "online" else lb)
                 rho = log_rho.exp()
                 clipped = ((adv > 0) & (rho > 1 + cfg.clip_eps)) | ((adv < 0) & (rho < 1 - cfg.clip_eps))
-                metrics["est/clip_frac"] = masked_mean(clipped.to(lqd.dtype), mask)
+                metrics["est/clip_frac"] = float(masked_mean(clipped.to(lqd.dtype), mask))
         return TokenLoss(per_token, metrics)
 
 
@@ -191,8 +190,8 @@ class ForwardKLMC(TokenLossEstimator):
         lp = fill_padding(x.batch[R.TEACHER_MC_LOGPROBS].to(lq.dtype), mask, 0.0)
         per_token = forward_kl_mc_from_logprobs(lq, lp)
         metrics = {
-            "est/kl_value": masked_mean(per_token, mask),
-            "est/student_logprob": masked_mean(lq.mean(-1), mask),
+            "est/kl_value": float(masked_mean(per_token, mask)),
+            "est/student_logprob": float(masked_mean(lq.mean(-1), mask)),
         }
         return TokenLoss(per_token, metrics)
 
@@ -246,8 +245,8 @@ class ReverseKLStratified(TokenLossEstimator):
         per_token = reverse_kl_stratified_from_logprobs(lq_s, lp_s, lq_y, lb_y, lp_y, in_support)
         with torch.no_grad():
             metrics = _ratio_metrics(importance_log_ratio(lq_y.detach(), lb_y), mask, valid=~in_support)
-            metrics["est/teacher_mass"] = masked_mean(torch.logsumexp(lp_s, -1).exp(), mask)
-            metrics["est/student_mass"] = masked_mean(torch.logsumexp(lq_s.detach(), -1).exp(), mask)
-            metrics["est/tail_sample_frac"] = masked_mean((~in_support).to(lq.dtype), mask)
-            metrics["est/kl_value"] = masked_mean(per_token, mask)
+            metrics["est/teacher_mass"] = float(masked_mean(torch.logsumexp(lp_s, -1).exp(), mask))
+            metrics["est/student_mass"] = float(masked_mean(torch.logsumexp(lq_s.detach(), -1).exp(), mask))
+            metrics["est/tail_sample_frac"] = float(masked_mean((~in_support).to(lq.dtype), mask))
+            metrics["est/kl_value"] = float(masked_mean(per_token, mask))
         return TokenLoss(per_token, metrics)

@@ -104,16 +104,6 @@ def reduction_count(mask: torch.Tensor, aggregation: Aggregation = "token_mean")
     return max(n, 1)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Detached mean of ``x`` over valid positions (``mask`` broadcast over trailing axes); 0 if none."""
-    m = mask.bool()
-    while m.dim() < x.dim():
-        m = m.unsqueeze(-1)
-    m = m.expand_as(x)
-    n = int(m.sum())
-    return float(x.detach()[m].sum() / n) if n else 0.0
-
-
 def masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
     """Detached max of ``x`` over valid positions; 0 if none."""
     m = mask.bool()
