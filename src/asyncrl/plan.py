@@ -136,7 +136,8 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     else:
         kind = estimator.cache_kind if cfg.cache.kind == "auto" else cfg.cache.kind
         check_pairing(estimator, kind)
-        opts = options_for(kind, k=cfg.cache.k, m=cfg.cache.m)
+        # the teacher is scored at the sampling temperature, as the learner computes the student
+        opts = options_for(kind, k=cfg.cache.k, m=cfg.cache.m, temperature=cfg.sampling.temperature)
         CACHES.get(kind)(**opts)  # validates the options
     needs_mc = R.MC_IDS in estimator.required_columns() or kind == "behavior_mc"
     if needs_mc and cfg.sampling.mc_samples < 1:

@@ -19,7 +19,7 @@ from asyncrl import records as R
 from asyncrl.configurable import check, field
 from asyncrl.estimators.base import EstimatorOutput, bind_config
 from asyncrl.estimators.columns import check_inputs, check_token_logprobs
-from asyncrl.estimators.functional import gather_logprobs
+from asyncrl.estimators.functional import gather_logprobs, gather_logprobs_and_log_tail
 
 Aggregation = Literal["token_mean", "seq_mean"]
 
@@ -128,6 +128,11 @@ class EstimatorInputs:
     def logprobs_at(self, ids: torch.Tensor) -> torch.Tensor:
         """``log π_θ`` at ``ids`` [B, T, K] -> [B, T, K] (differentiable, chunked log-softmax)."""
         return gather_logprobs(self.student_logits, ids.long(), chunk_size=self.chunk_size)
+
+    def logprobs_and_log_tail_at(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log π_θ`` at a support ``ids`` [B, T, k] and ``log(1 − M_θ(ids))`` [B, T], exact (masked
+        logsumexp of the logits, not ``1 − Σ π``), both differentiable."""
+        return gather_logprobs_and_log_tail(self.student_logits, ids.long(), chunk_size=self.chunk_size)
 
     def generated_logprobs(self) -> torch.Tensor:
         """``log π_θ(y_t)`` [B, T] at ``completion_ids``: the caller's ``token_logprobs`` when given
