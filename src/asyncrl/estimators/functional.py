@@ -529,6 +529,7 @@ def reverse_kl_mc_from_logprobs(
     advantage: Advantage = "online",
     clip_eps: float | None = None,
     loo_baseline: bool = False,
+    anchor_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E5/E6 on gathered log-probs at m draws ``y_j ~ π_b``: three ``[B, T, m]`` -> ``[B, T]``.
 
@@ -543,6 +544,11 @@ def reverse_kl_mc_from_logprobs(
 
     Variance is ``Var_1 / m`` for i.i.d. draws (duplicates kept); m = 1 is the single-sample
     estimator. The cache holds the proposal density π_b(y_j), so the estimate is MC-correctable.
+
+    ``anchor_logprobs``: the denominator of ρ (default ``proposal_logprobs``). Decoupled PPO
+    passes ``sg(student_logprobs)`` (π_prox, the weights before the step): ρ = 1 in value with
+    ``∇ρ = ∇log π_θ``, and the caller weights each term by ``π_prox/π_b`` (the expectations
+    above then hold with that weight in place of ρ). The stale advantage keeps ``log π_b``.
     """
     if form not in ("value", "pg"):
         raise ValueError(f"form must be 'value' or 'pg', got {form!r}")
@@ -551,13 +557,14 @@ def reverse_kl_mc_from_logprobs(
     lq = student_logprobs
     lb = proposal_logprobs.to(lq.dtype)
     lp = teacher_logprobs.to(lq.dtype)
+    base = lb if anchor_logprobs is None else anchor_logprobs.to(lq.dtype)
     if form == "value":
         if advantage != "online" or clip_eps is not None or loo_baseline:
             raise ValueError(
                 "form='value' is the differentiable estimate of KL(π_θ‖p) itself: it needs "
                 "advantage='online', clip_eps=None and loo_baseline=False"
             )
-        rho = importance_log_ratio(lq, lb).exp()
+        rho = importance_log_ratio(lq, base).exp()
         return (rho * (lq - lp)).mean(-1)
     adv = (lp - lq).detach() if advantage == "online" else lp - lb
     if loo_baseline:
@@ -565,7 +572,7 @@ def reverse_kl_mc_from_logprobs(
         if m < 2:
             raise ValueError("loo_baseline needs m >= 2 samples per position")
         adv = adv - (adv.sum(-1, keepdim=True) - adv) / (m - 1)
-    return policy_gradient_loss(lq, lb, adv, clip_eps=clip_eps).mean(-1)
+    return policy_gradient_loss(lq, base, adv, clip_eps=clip_eps).mean(-1)
 
 
 def reverse_kl_mc(

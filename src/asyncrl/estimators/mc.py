@@ -23,6 +23,7 @@ from asyncrl.estimators.functional import (
     reverse_kl_mc_from_logprobs,
     reverse_kl_stratified_from_logprobs,
 )
+from asyncrl.estimators.grpo import check_proximal_unclipped
 from asyncrl.estimators.token_loss import (
     EstimatorInputs,
     EstimatorOptions,
@@ -67,6 +68,11 @@ class ReverseKLMCOptions(EstimatorOptions):
         "mc",
         help="mc: m behavior draws (cache behavior_mc); token: the generated token only (cache token, m = 1)",
     )
+    anchor: Literal["behavior", "proximal"] = field(
+        "behavior",
+        help="ratio denominator: behavior (ρ = π_θ/π_b) or proximal (ρ = π_θ/π_prox, decoupled PPO with "
+        "truncated_is weighting π_prox/π_b; source=token, clip_eps null)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,6 +99,14 @@ class ReverseKLMCOptions(EstimatorOptions):
             self.loo_baseline,
             "a leave-one-out baseline needs source='mc' with m >= 2",
         )
+        check(
+            self.anchor == "behavior" or self.source == "token",
+            "anchor",
+            self.anchor,
+            "source='mc' importance-weights its m draws by π_θ/π_b itself; anchor='proximal' (for "
+            "truncated_is weights on the generated token) needs source='token'",
+        )
+        check_proximal_unclipped(self.anchor, self.clip_eps)
 
 
 @ESTIMATORS.register("reverse_kl_mc")
@@ -108,7 +122,9 @@ class ReverseKLMC(TokenLossEstimator):
       ``Var_1/m`` and growing like ``E_{π_b}[ρ² l²]`` with staleness. ``advantage="stale"`` adds
       ``−∇KL(π_θ‖π_b)`` to the expected gradient; clipping bounds variance at the price of bias.
     - Staleness: enters only through ρ (corrects the token choice) and the advantage (online
-      recomputes it); watch ``est/ess_mc``.
+      recomputes it); watch ``est/ess_mc``. With ``source='token'`` and ``anchor='proximal'``
+      the ratio is π_θ/π_prox and ``truncated_is`` supplies π_prox/π_b (decoupled PPO, see
+      ``asyncrl.estimators.grpo``).
     - Metrics: ``est/is_ratio_mean|max``, ``est/ess_mc`` (ESS/m per position, mean),
       ``est/clip_frac`` (when clipped), ``est/kl_value`` (value-form estimate of RKL).
     """
@@ -119,6 +135,16 @@ class ReverseKLMC(TokenLossEstimator):
     @property
     def cache_kind(self) -> str | None:
         return "behavior_mc" if self.config.source == "mc" else "token"
+
+    @property
+    def behavior_ratio(self) -> str:
+        """Where its loss carries π_θ/π_b (``asyncrl.step.check_composition``): at the generated
+        token (``source='token'``) or at m draws that include it (``source='mc'``)."""
+        return "token" if self.config.source == "token" else "draws"
+
+    @property
+    def anchor(self) -> str:
+        return self.config.anchor
 
     def required_columns(self) -> frozenset[str]:
         if self.config.source == "mc":
@@ -146,6 +172,7 @@ class ReverseKLMC(TokenLossEstimator):
             advantage=cfg.advantage,
             clip_eps=cfg.clip_eps,
             loo_baseline=cfg.loo_baseline,
+            anchor_logprobs=lq.detach() if cfg.anchor == "proximal" else None,  # π_prox = sg(π_θ)
         )
         with torch.no_grad():
             lqd = lq.detach()
@@ -190,8 +217,8 @@ class ForwardKLMC(TokenLossEstimator):
         lp = fill_padding(x.batch[R.TEACHER_MC_LOGPROBS].to(lq.dtype), mask, 0.0)
         per_token = forward_kl_mc_from_logprobs(lq, lp)
         metrics = {
-            "est/kl_value": float(masked_mean(per_token, mask)),
-            "est/student_logprob": float(masked_mean(lq.mean(-1), mask)),
+            "est/kl_value": float(masked_mean(per_token.detach(), mask)),
+            "est/student_logprob": float(masked_mean(lq.detach().mean(-1), mask)),
         }
         return TokenLoss(per_token, metrics)
 
@@ -218,6 +245,8 @@ class ReverseKLStratified(TokenLossEstimator):
     name = "reverse_kl_stratified"
     Config = ReverseKLStratifiedOptions
     cache_kind: str | None = "topk_behavior_mc"
+    #: its tail importance-weights m behavior draws that include the generated token
+    behavior_ratio = "draws"
 
     def required_columns(self) -> frozenset[str]:
         return frozenset(

@@ -96,12 +96,13 @@ def _check_aggregation(aggregation: str) -> None:
 
 
 def reduction_count(mask: torch.Tensor, aggregation: Aggregation = "token_mean") -> int:
-    """What ``reduce_loss`` divides by: valid tokens (``token_mean``) or samples with at least one
-    valid token (``seq_mean``); at least 1."""
+    """How many terms ``reduce_loss`` averages: valid tokens (``token_mean``) or samples with at
+    least one valid token (``seq_mean``). 0 when nothing is valid (the loss is then 0; the
+    division itself uses at least 1), so a rank whose samples were all dropped adds nothing to
+    the global normaliser ``asyncrl.step.loss_step`` sums over ranks."""
     _check_aggregation(aggregation)
     mask = mask.bool()
-    n = int(mask.sum()) if aggregation == "token_mean" else int(mask.any(-1).sum())
-    return max(n, 1)
+    return int(mask.sum()) if aggregation == "token_mean" else int(mask.any(-1).sum())
 
 
 def masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
