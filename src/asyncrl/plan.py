@@ -118,6 +118,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     from asyncrl.engines import ENGINES
     from asyncrl.engines.base import SamplingParams
     from asyncrl.estimators import build as build_estimator
+    from asyncrl.step import check_composition
 
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     kind = None
@@ -166,6 +167,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
             f"{tc.minibatches} mini-batches of whole groups (train.group_size={tc.group_size})"
         )
     chain = build_chain(controller_specs(cfg))
+    check_composition(estimator, chain)  # estimator x controller pairings with no documented gradient
     if pc.backend == "deepspeed":
         import importlib.util
 
@@ -173,10 +175,11 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
             raise ValueError(
                 "pipeline.backend=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'"
             )
-        if getattr(chain, "transforms_gradients", False):
+        if chain.transforms_gradients or chain.transforms_updates:
             raise ValueError(
-                "gradient-transform controllers (e.g. gradient_alignment) need full gradients; "
-                "they are not supported with pipeline.backend=deepspeed (ZeRO partitions gradients)"
+                "gradient- or update-transform controllers (e.g. gradient_alignment) need full gradients "
+                "and weights on every rank; they are not supported with pipeline.backend=deepspeed (ZeRO "
+                "partitions them): use pipeline.backend=ddp"
             )
     return estimator, kind, opts
 
