@@ -118,6 +118,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     from asyncrl.engines import ENGINES
     from asyncrl.engines.base import SamplingParams, check_engine
     from asyncrl.estimators import build as build_estimator
+    from asyncrl.step import check_composition
 
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     kind = None
@@ -136,7 +137,8 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     else:
         kind = estimator.cache_kind if cfg.cache.kind == "auto" else cfg.cache.kind
         check_pairing(estimator, kind)
-        opts = options_for(kind, k=cfg.cache.k, m=cfg.cache.m)
+        # the teacher is scored at the sampling temperature, as the learner computes the student
+        opts = options_for(kind, k=cfg.cache.k, m=cfg.cache.m, temperature=cfg.sampling.temperature)
         CACHES.get(kind)(**opts)  # validates the options
     needs_mc = R.MC_IDS in estimator.required_columns() or kind == "behavior_mc"
     if needs_mc and cfg.sampling.mc_samples < 1:
@@ -168,6 +170,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
             f"{tc.minibatches} mini-batches of whole groups (train.group_size={tc.group_size})"
         )
     chain = build_chain(controller_specs(cfg))
+    check_composition(estimator, chain)  # estimator x controller pairings with no documented gradient
     if pc.backend == "deepspeed":
         import importlib.util
 
@@ -175,10 +178,11 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
             raise ValueError(
                 "pipeline.backend=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'"
             )
-        if getattr(chain, "transforms_gradients", False):
+        if chain.transforms_gradients or chain.transforms_updates:
             raise ValueError(
-                "gradient-transform controllers (e.g. gradient_alignment) need full gradients; "
-                "they are not supported with pipeline.backend=deepspeed (ZeRO partitions gradients)"
+                "gradient- or update-transform controllers (e.g. gradient_alignment) need full gradients "
+                "and weights on every rank; they are not supported with pipeline.backend=deepspeed (ZeRO "
+                "partitions them): use pipeline.backend=ddp"
             )
     return estimator, kind, opts
 

@@ -28,8 +28,12 @@ LAG_MEAN = "staleness/lag_mean"
 LAG_MAX = "staleness/lag_max"
 #: samples dropped at consumption in this step because their lag exceeded max_lag
 DROPPED = "staleness/dropped"
-#: ESS fraction rho = (sum w)^2 / (N sum w^2) of the sequence importance weights pi_theta/pi_b
-ESS_RHO = "ess/rho"
+#: the learner's ESS fraction rho = (sum w)^2 / (N sum w^2) of the unclipped sequence importance
+#: weights w = pi_theta/pi_b over every rank's kept samples; logged every step, whatever the controllers
+ESS_RHO = "ess/rho_seq"
+#: the ESS fraction the ``ess_lr`` controller scaled the LR by (its ``source``: seq, seq_clipped or
+#: tok), logged by the controller only when it runs; differs from ``ESS_RHO`` unless source=seq
+ESS_LR_RHO = "ess/rho"
 LR_APPLIED = "lr/applied"
 LR_SCHEDULED = "lr/scheduled"
 #: KL(pi_b || pi_theta) per token over the sampled tokens (k3 estimator), batch mean
@@ -116,6 +120,7 @@ __all__ = [
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
     "DROPPED",
+    "ESS_LR_RHO",
     "ESS_RHO",
     "EVAL_ACCURACY",
     "GAC_COS_PREV",
