@@ -47,6 +47,8 @@ class RunPlan:
     controller_specs: list[tuple[str, dict[str, Any]]]
     engine_options: dict[str, Any]
     resume_dir: str | None
+    #: longest training prompt in tokens (the prompt width P of every block); 0 when models=False
+    max_prompt_len: int = 0
 
     @property
     def rl(self) -> bool:
@@ -79,8 +81,9 @@ def kept_versions(cfg: RunConfig) -> int:
 
 # --- models ----------------------------------------------------------------------------------------
 def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
-    """Find the teacher and student checkpoints; fail with the command that creates them."""
-    from asyncrl.workloads.checkpoints import load_pair, read_meta
+    """Find the teacher and student checkpoints and check them without loading weights (complete,
+    weight files intact, one vocabulary); fail with the command that creates them."""
+    from asyncrl.workloads.checkpoints import check_pair, read_meta
     from asyncrl.workloads.pretrain import run_dir_for
 
     w = cfg.workload
@@ -98,7 +101,7 @@ def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
     # absolute: Ray actors and Train workers do not run in the driver's working directory
     teacher_dir = str(Path(teacher_dir).resolve()) if teacher_dir else None
     student_dir = str(Path(student_dir).resolve())
-    load_pair(teacher_dir or student_dir, student_dir)  # raises on missing/incomplete dirs and vocab mismatch
+    check_pair(teacher_dir or student_dir, student_dir)  # missing/incomplete/truncated dirs, vocab mismatch
     tmeta = read_meta(teacher_dir) if teacher_dir else {}
     smeta = read_meta(student_dir)
     return ModelPaths(
@@ -217,6 +220,40 @@ def check_gpus(cfg: RunConfig, cluster_gpus: float, *, rl: bool) -> None:
         )
 
 
+def local_cpus(cfg: RunConfig) -> int:
+    """Logical CPUs of the local Ray instance ``asyncrl.pipeline`` starts (``pipeline.num_cpus``)."""
+    import os
+
+    return cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
+
+
+def check_cpus(cfg: RunConfig, cluster_cpus: float) -> None:
+    """The CPU shares the run reserves (learner workers, generators, scorers) must fit the Ray
+    cluster's logical CPUs, else an actor waits for them forever."""
+    pc = cfg.pipeline
+    actors = pc.generators + pc.teacher_scorers
+    need = pc.learner_workers * pc.cpus_per_worker + actors * pc.cpus_per_actor
+    if cluster_cpus + 1e-9 < need:
+        raise ValueError(
+            f"the run reserves {need:g} CPUs ({pc.learner_workers} learner worker(s) x cpus_per_worker="
+            f"{pc.cpus_per_worker:g} + {actors} generator/scorer actor(s) x cpus_per_actor="
+            f"{pc.cpus_per_actor:g}) but the Ray cluster has {cluster_cpus:g}: lower pipeline.cpus_per_actor"
+            f" / pipeline.cpus_per_worker or the actor counts, or raise pipeline.num_cpus"
+        )
+
+
+def check_local_resources(cfg: RunConfig, *, rl: bool) -> None:
+    """Before Ray starts: a run on a local Ray instance (no ``pipeline.ray_address``) must fit its
+    logical CPUs and this machine's GPUs (a cluster is checked once joined, by the pipeline)."""
+    if cfg.pipeline.ray_address:
+        return
+    check_cpus(cfg, local_cpus(cfg))
+    if cfg.pipeline.device == "cuda":
+        import torch
+
+        check_gpus(cfg, float(torch.cuda.device_count()), rl=rl)
+
+
 def absolute_paths(cfg: RunConfig) -> RunConfig:
     """Workers do not share the driver's working directory: make every local path absolute."""
     return replace(
@@ -234,6 +271,8 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
     cfg = absolute_paths(cfg)
     paths = resolve_models(cfg, rl=cfg.algo == "rl") if models else None
     _, kind, opts = check_components(cfg, paths.student_dir if paths else None)
+    check_local_resources(cfg, rl=kind is None)
+    max_prompt_len = check_prompts(cfg, paths) if paths else check_prompts(cfg, None)
     resume = latest(cfg.run_dir) if cfg.pipeline.resume else None
     return RunPlan(
         cfg=cfg,
@@ -243,6 +282,7 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
         controller_specs=controller_specs(cfg),
         engine_options=generator_engine_options(cfg),
         resume_dir=str(resume) if resume else None,
+        max_prompt_len=max_prompt_len,
     )
 
 
@@ -258,6 +298,42 @@ def load_examples(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
         train = task.make_examples("train", cfg.workload.train_size, cfg.workload.pretrain_seed)
     evals = task.make_examples("eval", cfg.workload.eval_size, cfg.workload.pretrain_seed)
     return train, evals
+
+
+def check_prompts(cfg: RunConfig, models: ModelPaths | None) -> int:
+    """The prompt source reads and every prompt fits the models' context; returns the longest
+    training prompt in tokens. Without ``models`` only the file itself is checked (it exists,
+    parses, has rows and a ``prompt`` column; errors name the file, the row and the fix)."""
+    train, evals = load_examples(cfg)
+    if models is None:
+        return 0
+    from transformers import AutoTokenizer
+
+    from asyncrl.workloads.checkpoints import context_length
+
+    tokenizer = AutoTokenizer.from_pretrained(models.student_dir, local_files_only=True)
+    dirs = [d for d in (models.student_dir, models.teacher_dir) if d]
+    contexts = [c for c in (context_length(d) for d in dirs) if c]
+    context = min(contexts) if contexts else None
+    source = f"prompt file {cfg.workload.prompts_path!r}" if cfg.workload.prompts_path else "task prompts"
+    longest = 0
+    for split, examples in (("train", train), ("eval", evals)):
+        if not examples:
+            continue
+        lengths = [len(ids) for ids in tokenizer([e.prompt for e in examples])["input_ids"]]
+        if min(lengths) == 0:
+            i = lengths.index(0)
+            raise ValueError(f"{source}: {split} row {i} encodes to no tokens; remove empty prompts")
+        i = int(np.argmax(lengths))
+        if context is not None and lengths[i] + cfg.sampling.max_new_tokens > context:
+            raise ValueError(
+                f"{source}: {split} row {i} has {lengths[i]} tokens + sampling.max_new_tokens="
+                f"{cfg.sampling.max_new_tokens} > the models' context of {context} tokens "
+                f"(max_position_embeddings); shorten the prompt or lower sampling.max_new_tokens"
+            )
+        if split == "train":
+            longest = lengths[i]
+    return longest
 
 
 def prompt_blocks(

@@ -80,6 +80,12 @@ def sample_rows(batch: Mapping[str, Any], result: Any, version: int, step: int) 
         **result.samples,
     }
     rows.update({k: np.asarray(batch[k]) for k in BATCH_EXTRAS if k in batch})
+    # the ledger per sample: a non-finite step trained nothing, so its samples count as dropped
+    passed = np.asarray(result.samples["kept"]).astype(bool)
+    rows["kept"] = passed & (not result.nonfinite)
+    rows[N.DROP_REASON] = np.where(
+        passed, N.DROPPED_NONFINITE if result.nonfinite else "", N.DROPPED_CONTROLLERS
+    ).astype(object)
     return rows
 
 
