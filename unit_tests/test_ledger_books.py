@@ -170,3 +170,37 @@ def test_no_fault_is_on_by_default() -> None:
     with pytest.raises(ValueError, match=r"generator_delay_p"):
         FaultConfig(generator_delay_p=2.0)
     assert np.isfinite(FaultConfig().generator_delay_s)
+
+
+# --- a skipped non-finite step in the learner's telemetry -------------------------------------------------
+def test_a_nonfinite_step_is_logged_as_skipped_and_its_samples_as_dropped() -> None:
+    """What the learner logs for a step ``loss_step`` skipped: no figure computed from its NaNs
+    (the ESS of NaN log-weights raised and failed the run before), and its samples dropped."""
+    import math
+
+    import torch
+
+    from asyncrl import records as R
+    from asyncrl.step import StepResult
+    from asyncrl.telemetry.steps import bucket_metrics, sample_rows, step_metrics
+
+    n = 4
+    nan = np.full(n, np.nan)
+    result = StepResult(
+        stepped=False, nonfinite=True, version=3, n_kept=3, n_dropped=1, loss=math.nan, grad_norm=math.nan,
+        lr_scheduled=1e-3, lr_applied=0.0, kl_behavior_current=math.nan, tokens=12,
+        lags_global=torch.zeros(3, dtype=torch.long), seq_log_ratio_global=torch.full((3,), math.nan),
+        metrics={}, samples={"kept": np.array([True, True, True, False]), "lag": np.zeros(n), "loss": nan,
+                             "kl_behavior_current": nan, "seq_log_ratio": nan},
+    )  # fmt: skip
+    metrics = step_metrics(result)
+    assert metrics[N.NUMERICS_SKIPPED] == 1.0 and metrics[N.SAMPLES_KEPT] == 0.0 and N.ESS_RHO not in metrics
+    batch = {
+        R.SAMPLE_ID: np.arange(n), R.PROMPT_ID: np.arange(n), R.GROUP_ID: np.arange(n),
+        R.VERSION_FIRST: np.full(n, 3), R.VERSION_LAST: np.full(n, 3),
+        R.COMPLETION_MASK: np.ones((n, 2), dtype=bool),
+    }  # fmt: skip
+    rows = sample_rows(batch, result, 3, step=4)
+    assert not rows["kept"].any()
+    assert rows[N.DROP_REASON].tolist() == ["nonfinite"] * 3 + ["controllers"]
+    assert bucket_metrics(rows) == {}

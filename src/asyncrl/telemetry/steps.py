@@ -39,8 +39,10 @@ def step_metrics(result: Any) -> dict[str, float]:
     out = dict(result.metrics)
     lags = result.lags_global.double()
     out[N.DROPPED] = float(result.n_dropped)
-    out[N.SAMPLES_KEPT] = float(result.n_kept)
-    if result.n_kept:
+    # a skipped non-finite step trained nothing (its samples' drop_reason says so), and its
+    # figures are NaN: only numerics/skipped is reported for it
+    out[N.SAMPLES_KEPT] = 0.0 if result.nonfinite else float(result.n_kept)
+    if result.n_kept and not result.nonfinite:
         out.update(
             {
                 N.LOSS: result.loss,
