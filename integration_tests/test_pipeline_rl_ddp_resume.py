@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from asyncrl.coordinator import CoordinatorError, PolicyStoreClient
 from asyncrl.checkpoint import latest as latest_checkpoint
+from asyncrl.coordinator import CoordinatorError, PolicyStoreClient
 from asyncrl.pipeline import run
 from asyncrl.plan import resolve_models
 from asyncrl.telemetry.sinks import read_metrics, read_summary

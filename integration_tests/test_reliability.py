@@ -160,7 +160,9 @@ def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path)
     deadline = time.monotonic() + 300
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and any(json.loads(x)["step"] >= 5 for x in metrics.read_text().splitlines() if x):
+        if metrics.exists() and any(
+            json.loads(x)["step"] >= 5 for x in metrics.read_text().splitlines() if x
+        ):
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be killed"
@@ -182,7 +184,14 @@ def test_soak_two_minutes(tiny_pair, tmp_path):
     """The CI soak: ``scripts/soak.py --steps 40`` (every fault kind, generator slowdowns, a driver
     kill, memory bounds); the 30-minute variant is documented in README "Reliability"."""
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "soak.py"), "--steps", "40", "--run-dir", str(tmp_path / "soak")],
+        [
+            sys.executable,
+            str(REPO / "scripts" / "soak.py"),
+            "--steps",
+            "40",
+            "--run-dir",
+            str(tmp_path / "soak"),
+        ],
         env={**env(), "ASYNCRL_TEST_CACHE": str(CACHE)},
         capture_output=True,
         text=True,

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="extra config overrides")
     args = p.parse_args(argv)
 
+    from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import read_metrics, read_summary
     from asyncrl.telemetry.summary import read_samples
 
@@ -175,18 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "mem_peak_mb": peak,
         "ledger": {
             k: summary.get(k)
-            for k in (
-                "samples_drawn",
-                "samples_trained",
-                "samples_dropped",
-                "samples_dropped_nonfinite",
-                "samples_regenerated",
-                "samples_in_flight_end",
-                "ledger_balanced",
-                "learner_restarts",
-                "driver_resumes",
-                "generation_retries",
-            )
+            for k in N.SUMMARY_KEYS
+            if k.startswith("samples_") or k in ("ledger_balanced", "learner_restarts", "driver_resumes")
         },
         "checks": checks,
     }

@@ -208,16 +208,25 @@ def check_gpus(cfg: RunConfig, cluster_gpus: float, *, rl: bool) -> None:
             f"{pc.gpus_per_worker:g}: Ray would pack several ranks onto one GPU, which NCCL refuses; "
             f"use pipeline.gpus_per_worker=1 (one GPU per rank) or pipeline.learner_workers=1"
         )
-    actors = pc.generators + (0 if rl else pc.teacher_scorers)
-    need = pc.learner_workers * pc.gpus_per_worker + actors * pc.gpus_per_actor
+    need, parts = _reserved(cfg, "gpus", pc.generators + (0 if rl else pc.teacher_scorers))
     if cluster_gpus + 1e-9 < need:
         raise ValueError(
-            f"pipeline.device=cuda reserves {need:g} GPUs ({pc.learner_workers} learner worker(s) x "
-            f"gpus_per_worker={pc.gpus_per_worker:g} + {actors} actor(s) x gpus_per_actor="
-            f"{pc.gpus_per_actor:g}) but the Ray cluster has {cluster_gpus:g}: lower the shares "
-            f"(e.g. pipeline.gpus_per_worker=0.5 pipeline.gpus_per_actor=0.25 on one GPU) or use "
-            f"pipeline.device=cpu"
+            f"pipeline.device=cuda reserves {need:g} GPUs ({parts}) but the Ray cluster has "
+            f"{cluster_gpus:g}: lower the shares (e.g. pipeline.gpus_per_worker=0.5 "
+            f"pipeline.gpus_per_actor=0.25 on one GPU) or use pipeline.device=cpu"
         )
+
+
+def _reserved(cfg: RunConfig, unit: str, actors: int) -> tuple[float, str]:
+    """What the run reserves of ``unit`` (``cpus`` | ``gpus``): the total and its breakdown."""
+    pc = cfg.pipeline
+    per_worker, per_actor = getattr(pc, f"{unit}_per_worker"), getattr(pc, f"{unit}_per_actor")
+    need = pc.learner_workers * per_worker + actors * per_actor
+    parts = (
+        f"{pc.learner_workers} learner worker(s) x {unit}_per_worker={per_worker:g} + {actors} actor(s) x "
+        f"{unit}_per_actor={per_actor:g}"
+    )
+    return need, parts
 
 
 def local_cpus(cfg: RunConfig) -> int:
@@ -230,15 +239,12 @@ def local_cpus(cfg: RunConfig) -> int:
 def check_cpus(cfg: RunConfig, cluster_cpus: float) -> None:
     """The CPU shares the run reserves (learner workers, generators, scorers) must fit the Ray
     cluster's logical CPUs, else an actor waits for them forever."""
-    pc = cfg.pipeline
-    actors = pc.generators + pc.teacher_scorers
-    need = pc.learner_workers * pc.cpus_per_worker + actors * pc.cpus_per_actor
+    need, parts = _reserved(cfg, "cpus", cfg.pipeline.generators + cfg.pipeline.teacher_scorers)
     if cluster_cpus + 1e-9 < need:
         raise ValueError(
-            f"the run reserves {need:g} CPUs ({pc.learner_workers} learner worker(s) x cpus_per_worker="
-            f"{pc.cpus_per_worker:g} + {actors} generator/scorer actor(s) x cpus_per_actor="
-            f"{pc.cpus_per_actor:g}) but the Ray cluster has {cluster_cpus:g}: lower pipeline.cpus_per_actor"
-            f" / pipeline.cpus_per_worker or the actor counts, or raise pipeline.num_cpus"
+            f"the run reserves {need:g} CPUs ({parts}) but the Ray cluster has {cluster_cpus:g}: lower "
+            f"pipeline.cpus_per_actor / pipeline.cpus_per_worker or the actor counts, or raise "
+            f"pipeline.num_cpus"
         )
 
 
