@@ -239,6 +239,15 @@ def prepare_run_dir(plan: RunPlan) -> None:
     for name in (SUMMARY_FILE, ABORT_FILE):
         (run_dir / name).unlink(missing_ok=True)
     if plan.resume_dir is None:
+        found = checkpoint.scan(run_dir)
+        if plan.cfg.pipeline.resume and found:
+            _, path, bad = found[0]
+            print(
+                f"asyncrl: no complete checkpoint to resume from (newest: {path}: {'; '.join(bad[:2])}); "
+                f"starting over",
+                file=sys.stderr,
+                flush=True,
+            )
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
         shutil.rmtree(run_dir / "faults", ignore_errors=True)
         (run_dir / BOOKS_FILE).unlink(missing_ok=True)
