@@ -141,7 +141,7 @@ def env() -> dict[str, str]:
 
 
 def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path):
-    """The whole ``asyncrl run`` process group is killed after step 5 (checkpoint at 3); the same
+    """The whole ``asyncrl run`` process group is killed after step 4 (checkpoint at 3); the same
     command resumes, and the draws of the killed process are in the ledger as regenerated."""
     run_dir = tmp_path / "driver"
     argv = [
@@ -161,7 +161,7 @@ def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path)
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and any(
-            json.loads(x)["step"] >= 5 for x in metrics.read_text().splitlines() if x
+            json.loads(x)["step"] >= 4 for x in metrics.read_text().splitlines() if x
         ):
             break
         time.sleep(0.2)
@@ -177,7 +177,7 @@ def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path)
     samples = read_samples(run_dir)
     assert samples["sample_id"].is_unique and int(samples["kept"].sum()) == STEPS * 16
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
-    assert s["samples_regenerated"] >= 2 * 16  # at least steps 4-5, trained by the killed driver
+    assert s["samples_regenerated"] >= 16  # at least step 4's batch, trained by the killed driver
 
 
 def test_soak_two_minutes(tiny_pair, tmp_path):
