@@ -160,9 +160,7 @@ def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path)
     deadline = time.monotonic() + 300
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and any(
-            json.loads(x)["step"] >= 4 for x in metrics.read_text().splitlines() if x
-        ):
+        if metrics.exists() and max((m["step"] for m in read_metrics(run_dir)), default=0) >= 4:
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be killed"

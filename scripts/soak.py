@@ -52,11 +52,11 @@ def fault_plan(steps: int) -> dict[str, int]:
 
 
 def last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    from asyncrl.telemetry.sinks import read_metrics
+
+    if not (run_dir / "metrics.jsonl").exists():
         return 0
-    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
-    return max(steps, default=0)
+    return max((m.get("step", 0) for m in read_metrics(run_dir)), default=0)  # a torn last line is skipped
 
 
 def launch(argv: list[str], log: Path) -> subprocess.Popen:
