@@ -70,20 +70,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from asyncrl.configurable import to_dict
 
     cfg = load_config(args.config, args.overrides)
-    _check_pairings(cfg)
+    try:
+        _check_checkpoints(cfg)
+        pending = None
+    except CLIError as err:  # the preset's pair is not pretrained yet: check everything else
+        pending = str(err)
+    plan = _check_plan(cfg, models=pending is None)
     if not args.quiet:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    if pending:
+        print(f"note: {pending} (`asyncrl run` needs it)", file=sys.stderr)
+    elif plan.resume_dir:
+        print(f"note: resumes from {plan.resume_dir} (pipeline.resume=false starts over)", file=sys.stderr)
     print(f"ok: {args.config} is a valid config", file=sys.stderr)
     return 0
 
 
-def _check_pairings(cfg: Any) -> None:
-    """The checks the pipeline makes when it is built (estimator/cache/engine pairings), without Ray."""
-    from asyncrl.plan import check_components
+def _check_plan(cfg: Any, *, models: bool) -> Any:
+    """Every check the pipeline makes before Ray starts (``asyncrl.plan.make_plan``): component
+    pairings, the prompt file, the checkpoints (``models``: complete, intact, one vocabulary,
+    prompts within their context), the CPU/GPU shares of a local run."""
+    from asyncrl.plan import make_plan
 
     try:
-        check_components(cfg, None)
-    except (ValueError, ImportError) as err:  # ConfigError is a ValueError; ImportError names the extra
+        return make_plan(cfg, models=models)
+    except (ValueError, ImportError, FileNotFoundError) as err:  # ConfigError, CheckpointError included
         raise CLIError(str(err), EXIT_USAGE) from None
 
 
@@ -144,8 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
 
     cfg = load_config(args.config, [*args.overrides, *_quiet_overrides(args)])
-    _check_pairings(cfg)  # fail before any process starts
-    _check_checkpoints(cfg)
+    _check_checkpoints(cfg)  # fail before any process starts
+    _check_plan(cfg, models=True)
     _say(args, f"run: {cfg.algo} with {cfg.estimator.name}, max_lag {cfg.pipeline.max_lag} -> {cfg.run_dir}")
     result = asyncrl.run(cfg)
     for line in _summary_lines(result.summary):
@@ -365,7 +376,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for label, lag in (("sync", 0), ("async", args.max_lag))
     }
     for cfg in runs.values():
-        _check_pairings(cfg)
+        _check_plan(cfg, models=False)
     _say(args, f"[1/4] teacher and student: pretrain or reuse ({args.task}, preset {args.preset})")
     pre = pretrain(
         task=args.task, preset=args.preset, cache_dir=args.cache_dir, seed=args.seed, progress=not args.quiet
@@ -474,8 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
         "validate",
         cmd_validate,
         "check a config and print it resolved",
-        "Load a YAML config plus overrides, resolve component names, print the resolved config. "
-        "Exit 0 if valid, 2 with the field, the value and the fix otherwise.",
+        "Load a YAML config plus overrides and make every check `asyncrl run` makes before Ray starts: "
+        "component names and pairings, the prompt file (exists, parses, has rows and a prompt column, "
+        "fits the models' context), the checkpoints (complete, intact weight files, one vocabulary), "
+        "the CPU/GPU shares of a local run. Prints the resolved config. Exit 0 if valid (a preset pair "
+        "not pretrained yet is a note), 2 with the field or file and the fix otherwise.",
     )
     p.add_argument("config", help="YAML config")
     overrides(p)

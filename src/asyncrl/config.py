@@ -17,6 +17,7 @@ import yaml
 
 from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
 from asyncrl.engines.base import SamplingParams
+from asyncrl.faults import FaultConfig
 from asyncrl.raysetup import DEFAULT_TICK_S
 
 
@@ -70,6 +71,12 @@ class TrainConfig:
     )
     checkpoint_every: int = field(0, help="Ray Train checkpoint every N steps; 0 = only at the end")
     logits_chunk: int = field(0, help="sequence chunk for log-softmax gathers; 0 = no chunking")
+    max_nonfinite_steps: int = field(
+        3,
+        help="abort the run after this many optimizer steps in a row with a non-finite loss or gradient "
+        "(each is skipped and counted in numerics/skipped); the checkpoint holds the weights from before "
+        "the first; 0 = never abort",
+    )
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", self.steps, "use an integer >= 1")
@@ -83,6 +90,7 @@ class TrainConfig:
         )
         check(self.lr > 0, "lr", self.lr, "use a positive learning rate")
         check(self.minibatches >= 1, "minibatches", self.minibatches, "use an integer >= 1")
+        check(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", self.max_nonfinite_steps, "use >= 0")
         check(
             self.steps % self.minibatches == 0,
             "steps",
@@ -125,6 +133,11 @@ class PipelineConfig:
     max_engine_restarts: int = field(
         3, help="rollout-engine deaths a run survives (the generator actor restarts, the block re-runs)"
     )
+    max_learner_failures: int = field(
+        3,
+        help="learner worker-group failures a run survives: Ray Train restarts the learners from the latest "
+        "checkpoint and the prompt stream resumes after its ledger",
+    )
     gpus_per_worker: float = field(1.0, help="GPUs per learner worker when device=cuda (< 1 shares one)")
     gpus_per_actor: float = field(
         0.25,
@@ -152,6 +165,7 @@ class PipelineConfig:
         check(self.teacher_scorers >= 1, "teacher_scorers", self.teacher_scorers, "use >= 1")
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
         check(self.max_engine_restarts >= 0, "max_engine_restarts", self.max_engine_restarts, "use >= 0")
+        check(self.max_learner_failures >= 0, "max_learner_failures", self.max_learner_failures, "use >= 0")
         check(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "use a share > 0, e.g. 0.5")
         check(self.gpus_per_actor > 0, "gpus_per_actor", self.gpus_per_actor, "use a share > 0, e.g. 0.25")
 
@@ -181,6 +195,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig, help="optimisation")
     pipeline: PipelineConfig = field(default_factory=PipelineConfig, help="Ray pipeline")
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig, help="progress and sinks")
+    faults: FaultConfig = field(
+        default_factory=FaultConfig, help="fault injection for reliability tests and soak runs (off)"
+    )
 
     @property
     def algo(self) -> Literal["opd", "rl"]:
@@ -193,8 +210,35 @@ class RunConfig:
 
 
 # --- loading -------------------------------------------------------------------------------
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+def _parse_value(text: str, key: str = "") -> Any:
+    if text == "":
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        fix = f"not a valid YAML value ({_yaml_problem(err)}); quote strings"
+        raise ConfigError(key, text, fix) from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(getattr(err, "problem", None) or err).split())
+
+
+def _read_yaml(path: Path) -> Any:
+    """A YAML file's content; a file that is not UTF-8 or not YAML is a one-line ConfigError naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            "config", str(path), f"the file is not UTF-8 text (byte {err.start}); save it as UTF-8 YAML"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        fix = f"not valid YAML at {_yaml_problem(err)}; fix it there"
+        raise ConfigError("config", str(path), fix) from None
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -202,7 +246,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(item, item, "overrides look like key.sub=value")
     key, _, raw = item.partition("=")
-    return key.strip(), _parse_value(raw)
+    return key.strip(), _parse_value(raw, key.strip())
 
 
 def set_key(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
@@ -240,9 +284,9 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.exists():
+        if not p.is_file():
             raise ConfigError("config", str(p), "the file does not exist; see examples/configs/")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = _read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ConfigError("config", str(p), "the YAML top level must be a mapping")
         data = loaded

@@ -14,13 +14,30 @@ the store keeps only the reference (wrapped in a list so Ray does not resolve it
 
 Every client call goes through ``PolicyStoreClient``, which puts a timeout on it and turns a
 dead or silent store into a ``CoordinatorError`` that says what to check, never a hang.
+
+**Streams and faults.** A prompt stream is one Ray Data dataset: the run's start, a driver
+resume and every learner worker-group restart build a new one (``asyncrl.pipeline.StreamFactory``)
+from the latest checkpoint, with block indices from 0 and the ledger's samples left out.
+``begin_stream`` restores the admission books to that checkpoint, counts every sample drawn since
+it as regenerated, closes admission until the restored learner calls ``start``, and returns the
+stream's id; generators pass it with every ``acquire``, so a request left over from the dead
+stream (its generator was killed mid-wait) is refused instead of taking the new stream's budget.
+
+**Books.** Every sample drawn (admitted for generation, counting a block re-run after its
+generator died as a second draw) ends trained, dropped, regenerated after a fault, or in flight
+when the run ends: ``drawn = trained + dropped + regenerated + in_flight`` (``books``). With
+``books_path`` the store rewrites them to that file on every change, so a resumed driver counts
+the draws of the process that died after its last checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -54,6 +71,8 @@ class PolicyStore:
         versions_per_rollout: int = 1,
         keep_versions: int = 0,
         admit_poll_s: float = 0.002,
+        books_path: str | None = None,
+        resume_books: bool = False,
     ) -> None:
         from asyncrl.controllers import build_chain
 
@@ -70,20 +89,37 @@ class PolicyStore:
         self.closed = False
         self._wait_s = 0.0
         self.engine_deaths = 0
+        self.stream = 0  # id of the current prompt stream (begin_stream)
+        self.stream_version: int | None = None  # the checkpoint version the stream was built from
+        self.retried = 0  # samples drawn again because their generator died mid-block
+        self.learner_restarts = 0
+        self.driver_resumes = 0
+        self.books_path = books_path
+        self.prior: dict[str, int] = {}  # the books of the driver process this one resumes
+        if books_path and resume_books and Path(books_path).is_file():
+            self.prior = json.loads(Path(books_path).read_text())
+            self.retried = int(self.prior.get("retried", 0))
+            self.learner_restarts = int(self.prior.get("learner_restarts", 0))
+            self.driver_resumes = int(self.prior.get("driver_resumes", 0)) + 1
 
-    async def acquire(self, n: int, block_index: int) -> dict[str, Any] | None:
-        """Block until input block ``block_index`` (``n`` samples) may start; None once closed.
+    async def acquire(self, n: int, block_index: int, stream: int | None = None) -> dict[str, Any] | None:
+        """Block until input block ``block_index`` (``n`` samples) of ``stream`` may start; None once
+        closed, or once ``stream`` is not the current stream (a request left over from a restart).
 
         Returns ``{"ticket", "version", "behavior_version"}``: generate with the weights of
         ``behavior_version`` (pinned by a controller) or, when it is None, the latest. Blocks are
         admitted in stream order (``AdmissionBudget``); a retried block gets its admission back."""
         t0 = time.perf_counter()
         while True:
-            if self.closed:
+            if self.closed or (stream is not None and stream != self.stream):
                 return None
             if self.version >= 0:
+                retries = self.budget.retries
                 admission = self.budget.try_acquire(n, block_index)
                 if admission is not None:
+                    if self.budget.retries > retries:  # the block's generator died: drawn again
+                        self.retried += n
+                    self._write_books()
                     self._wait_s += time.perf_counter() - t0
                     return {
                         "ticket": admission.ticket,
@@ -93,8 +129,36 @@ class PolicyStore:
                     }
             await asyncio.sleep(self.admit_poll_s)
 
+    def begin_stream(self, state: dict[str, Any] | None) -> int:
+        """A new prompt stream starts from the checkpoint whose coordinator state (``state_dict``)
+        is ``state`` (None: from scratch). Samples drawn and not trained or dropped by that
+        checkpoint count as regenerated; admission waits for the learner's ``start``. Returns the
+        stream's id."""
+        if self.stream > 0:
+            self.learner_restarts += 1
+        self.stream += 1
+        self.version = -1
+        drawn = max(self.budget.dispatched, int(self.prior.get("dispatched", 0)))
+        if state:
+            restored = dict(state["budget"])
+        else:
+            restored = {"version": 0, "dispatched": 0, "trained": 0, "dropped": 0}
+        restored.setdefault("batch_size", self.budget.batch_size)
+        restored["dispatched"] = max(int(restored["dispatched"]), drawn)
+        restored["retries"] = max(int(restored.get("retries", 0)), self.budget.retries)
+        self.budget.load_state_dict(restored)
+        self.stream_version = int(restored["version"])
+        self.prior = {}
+        self._write_books()
+        return self.stream
+
     def start(self, refs: list[Any], version: int) -> int:
         """The learner (re)starts at ``version`` with weights ``refs[0]``; the stream starts at block 0."""
+        if self.stream_version is not None and version != self.stream_version:
+            raise ValueError(
+                f"the learner restored version {version} but prompt stream {self.stream} was built from the "
+                f"checkpoint of version {self.stream_version}: both must read the same latest checkpoint"
+            )
         self.weights = {version: refs[0]}
         self.version = version
         self.budget.start(version)
@@ -113,6 +177,7 @@ class PolicyStore:
         self.budget.set_version(version)
         if consumed is not None:
             self.budget.on_consumed(*consumed)
+            self._write_books()
         return version
 
     def latest(self, have: int) -> tuple[int, list[Any] | None]:
@@ -139,12 +204,36 @@ class PolicyStore:
         self.engine_deaths += 1
         return self.engine_deaths
 
+    def books(self) -> dict[str, int]:
+        """Every sample drawn and where it ended: ``drawn = trained + dropped + regenerated + in_flight``."""
+        b = self.budget
+        return {
+            "drawn": b.dispatched + self.retried,
+            "trained": b.trained,
+            "dropped": b.dropped,
+            "regenerated": b.lost + self.retried,
+            "in_flight": b.in_flight,
+            # what a resumed driver needs to continue the books
+            "dispatched": b.dispatched,
+            "retried": self.retried,
+            "learner_restarts": self.learner_restarts,
+            "driver_resumes": self.driver_resumes,
+        }
+
+    def _write_books(self) -> None:
+        if not self.books_path:
+            return
+        tmp = f"{self.books_path}.tmp"
+        Path(tmp).write_text(json.dumps(self.books()))
+        os.replace(tmp, self.books_path)
+
     def stats(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "admission_wait_s": self._wait_s,
             "engine_deaths": self.engine_deaths,
             **{f"budget/{k}": v for k, v in self.budget.counters().items()},
+            **{f"books/{k}": v for k, v in self.books().items()},
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -185,10 +274,15 @@ class PolicyStoreClient:
         except ray.exceptions.RayActorError as err:
             raise CoordinatorError(f"PolicyStore.{method} failed: the store actor died ({err})") from err
 
-    def acquire(self, n: int, block_index: int, timeout_s: float) -> dict[str, Any] | None:
-        """Waits for admission of input block ``block_index``; ``timeout_s`` bounds a stalled learner
-        (pipeline.no_progress_timeout_s)."""
-        return self._call("acquire", n, block_index, timeout_s=timeout_s)
+    def acquire(
+        self, n: int, block_index: int, timeout_s: float, stream: int | None = None
+    ) -> dict[str, Any] | None:
+        """Waits for admission of input block ``block_index`` of ``stream``; ``timeout_s`` bounds a
+        stalled learner (pipeline.no_progress_timeout_s)."""
+        return self._call("acquire", n, block_index, stream, timeout_s=timeout_s)
+
+    def begin_stream(self, state: dict[str, Any] | None) -> int:
+        return self._call("begin_stream", state)
 
     def start(self, state_dict: dict[str, Any], version: int) -> None:
         self._call("start", [ray.put(state_dict)], version)

@@ -13,13 +13,24 @@ Learner version ``v`` = optimizer steps applied; generators tag tokens with it, 
 lag at consumption is ``v - version_first``. The math is in ``asyncrl.step`` (Ray-free, the same
 function users' own loops call); this module adds data movement, weight publication,
 telemetry and checkpoints.
+
+Restarts: every (re)start of the worker group loads the latest complete checkpoint of the run
+directory (``asyncrl.checkpoint.latest``), the same one the prompt stream was rebuilt from
+(``asyncrl.pipeline.StreamFactory``), so the restored ledger and the stream agree: no sample is
+trained twice and none is skipped. Numerics guard: ``loss_step`` skips a step whose loss or
+gradient is not finite; its samples count as dropped (``nonfinite``) and after
+``train.max_nonfinite_steps`` such steps in a row the run stops with a checkpoint of the weights
+from before the first (they are unchanged: every bad step was skipped).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +45,7 @@ from asyncrl.collectives import Collectives
 from asyncrl.config import RunConfig
 from asyncrl.controllers import build_chain
 from asyncrl.estimators import build as build_estimator
+from asyncrl.faults import NO_FAULTS, Faults
 from asyncrl.step import StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.steps import bucket_metrics, sample_rows, step_metrics
@@ -50,8 +62,11 @@ class LearnerSpec:
     namespace: str
     store_name: str
     eval_prompts: list[tuple[str, str]]  # (prompt, answer) held-out split
-    resume_dir: str | None = None
-    fail_at_step: int | None = None  # fault injection for resume tests
+    faults: Faults = NO_FAULTS
+
+
+#: written by rank 0 when the numerics guard stops the run; the driver turns it into the run's error
+ABORT_FILE = "abort.json"
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -60,25 +75,34 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tc = spec.cfg.train
     w = Learner(spec)
     w.start()  # publish the starting weights: admission opens
+    if w.version >= tc.steps:  # resumed from the final checkpoint: nothing left to train
+        w.finish()
+        return
     for batch in w.rollout_batches():
         t_got = time.perf_counter()
         keep = w.parts.controllers.keep(sample_info(batch), w.version)
         n_mb = tc.minibatches
-        consumed = [0, 0]
+        consumed = [0, 0]  # (trained, dropped): a non-finite step trains none of its samples
         for i, (mb, mb_keep) in enumerate(split_minibatches(batch, keep, n_mb)):
             version = w.version
-            result = loss_step(mb, w.parts, version, keep=mb_keep)
-            consumed[0] += result.n_kept
-            consumed[1] += result.n_dropped
+            with w.injected_nan(version + 1):
+                result = loss_step(mb, w.parts, version, keep=mb_keep)
+            trained = 0 if result.nonfinite else result.n_kept
+            consumed[0] += trained
+            consumed[1] += result.n_dropped + result.n_kept - trained
             t_computed = time.perf_counter()
             w.publish(result, consumed=tuple(consumed) if i == n_mb - 1 else None)
             w.log(mb, result, version, t_got=t_got, t_computed=t_computed)
+            w.numerics(result)
+            if w.rank0 and result.stepped:
+                spec.faults.exit_if("learner_exit", w.version)
             t_got = time.perf_counter()
         w.consumed(batch, consumed)
+        if w.numerics_abort():
+            w.abort()
+            return
         if w.checkpoint_due():
             w.checkpoint()
-        if spec.fail_at_step is not None and w.version >= spec.fail_at_step:
-            raise RuntimeError(f"fault injected at step {w.version} (pipeline fail_at_step)")
         if w.version >= tc.steps:
             break
     w.finish()
@@ -102,8 +126,15 @@ class Learner:
         random.seed(cfg.seed)
         self.comm = Collectives.current()
         self.rank0 = self.comm.rank == 0
-        model_dir = Path(spec.resume_dir, checkpoint.MODEL_DIR) if spec.resume_dir else Path(spec.student_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+        # a fresh run, a resumed driver and a restarted worker group alike: the latest complete
+        # checkpoint of this run directory (the driver removed those of an earlier run)
+        resume = checkpoint.latest(spec.run_dir)
+        model_dir = Path(resume, checkpoint.MODEL_DIR) if resume else Path(spec.student_dir)
+        # a run directory's weights are read as safetensors only (never unpickled)
+        safe = {"use_safetensors": True} if resume else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, local_files_only=True, dtype=torch.float32, **safe
+        )
         # pipeline.device=cuda: this worker's GPU (Ray Train sets CUDA_VISIBLE_DEVICES and the index)
         device = ray.train.torch.get_device() if pc.device == "cuda" else torch.device("cpu")
         if pc.backend == "deepspeed":
@@ -134,29 +165,35 @@ class Learner:
         self.version = 0
         self.counters = {"trained": 0, "dropped": 0}
         self.ledger: list[np.ndarray] = []
-        if spec.resume_dir:
+        if resume:
             restored = checkpoint.load(
-                spec.resume_dir, rank=self.comm.rank, backend=backend, controllers=self.parts.controllers
+                resume, rank=self.comm.rank, backend=backend, controllers=self.parts.controllers
             )
             self.version = restored.version
             self.counters.update(restored.counters)
             self.ledger.append(restored.ledger)
         self.last_checkpoint = self.version
+        self.nonfinite_streak = 0  # optimizer steps in a row skipped for non-finite numbers
+        self.first_bad_step: int | None = None
+        self.nan_left = 0  # injected NaN attempts still to come (faults.nonfinite_step)
         self.store = PolicyStoreClient.connect(
             spec.namespace, timeout_s=pc.rpc_timeout_s, name=spec.store_name
         )
         self.pending: dict[str, float] = {}  # figures of consumptions without a step, logged with the next
-        self.writer = self.progress = self.evaluator = None
+        self.writer = self.progress = self.evaluator = self.memory = None
         if self.rank0:
+            from asyncrl.telemetry.memory import MemoryProbe
             from asyncrl.telemetry.progress import Progress
             from asyncrl.telemetry.sinks import RunWriter
 
             self.writer = RunWriter(
                 spec.run_dir,
                 tensorboard=cfg.telemetry.tensorboard,
-                resume=spec.resume_dir is not None,
+                resume=resume is not None,
                 truncate_after_step=self.version,
+                keep_sample_ids=np.concatenate(self.ledger) if self.ledger else None,
             )
+            self.memory = MemoryProbe()
             self.progress = Progress(total=tc.steps, enabled=cfg.telemetry.progress, start=self.version)
             tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
             self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
@@ -191,6 +228,57 @@ class Learner:
         if self.rank0 and (result.stepped or consumed is not None):
             self.store.publish(publishable_state(self.parts.backend.module), self.version, consumed)
 
+    @contextlib.contextmanager
+    def injected_nan(self, step: int) -> Iterator[None]:
+        """Fault injection (``faults.nonfinite_step``): NaN student logits in this attempt at ``step``."""
+        faults = self.spec.faults
+        if self.nan_left == 0 and faults.once("nonfinite_step", step):
+            self.nan_left = faults.config.nonfinite_count
+        if self.nan_left == 0:
+            yield
+            return
+        self.nan_left -= 1
+        head = self.parts.backend.module.get_output_embeddings()
+        handle = head.register_forward_hook(lambda module, args, out: out * float("nan"))
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def numerics(self, result: Any) -> None:
+        """Count optimizer steps skipped in a row for non-finite numbers (identical on every rank:
+        the loss and the gradient norm are reduced over ranks)."""
+        if result.nonfinite:
+            if self.nonfinite_streak == 0:
+                self.first_bad_step = self.version + 1
+            self.nonfinite_streak += 1
+        elif result.stepped:
+            self.nonfinite_streak = 0
+
+    def numerics_abort(self) -> bool:
+        limit = self.cfg.train.max_nonfinite_steps
+        return limit > 0 and self.nonfinite_streak >= limit
+
+    def abort(self) -> None:
+        """Stop the run (numerics guard): checkpoint the unchanged weights, leave the reason for the
+        driver in ``RUN/abort.json``, close the store. Returns normally, so Ray Train does not
+        restart a run that would only fail the same way."""
+        if self.last_checkpoint < self.version:
+            self.checkpoint()
+        self.comm.barrier()
+        if self.rank0:
+            where = checkpoint.latest(self.spec.run_dir)
+            message = (
+                f"{self.nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient "
+                f"(from step {self.first_bad_step}; train.max_nonfinite_steps="
+                f"{self.cfg.train.max_nonfinite_steps}); the run stopped with the weights from before step "
+                f"{self.first_bad_step} checkpointed in {where}: lower train.lr or check the prompts and the "
+                f"teacher, then rerun the same command to resume from there"
+            )
+            path = Path(self.spec.run_dir, ABORT_FILE)
+            path.write_text(json.dumps({"step": self.first_bad_step, "message": message}))
+        self.finish(aborted=True)
+
     def consumed(self, batch: dict[str, np.ndarray], counts: list[int]) -> None:
         """Books of a finished rollout batch: counts and the ledger of consumed sample ids (all ranks)."""
         self.counters["trained"] += counts[0]
@@ -220,6 +308,7 @@ class Learner:
         now = time.perf_counter()
         dt = now - self.t_prev
         metrics.update(bucket_metrics(rows))
+        metrics.update(self.memory.sample())
         metrics.update(
             {
                 N.VERSION: float(self.version),
@@ -264,6 +353,7 @@ class Learner:
             checkpoint.save(
                 Path(tmp),
                 rank=self.comm.rank,
+                world=self.comm.world,
                 model=self.parts.backend.module,
                 backend=self.parts.backend,
                 controllers=self.parts.controllers,
@@ -281,12 +371,12 @@ class Learner:
         self.comm.barrier()  # every shard is on storage before any rank moves on (and might fail)
         self.last_checkpoint = self.version
 
-    def finish(self) -> None:
+    def finish(self, *, aborted: bool = False) -> None:
         if self.rank0:
             self.store.close()
             self.progress.close()
             self.writer.close()
-        if self.version < self.cfg.train.steps:
+        if self.version < self.cfg.train.steps and not aborted:
             raise RuntimeError(
                 f"the rollout stream ended after {self.version} of {self.cfg.train.steps} steps: too few "
                 f"prompts for the drops seen (dropped {self.counters['dropped']}); raise workload.train_size"

@@ -47,6 +47,8 @@ class RunPlan:
     controller_specs: list[tuple[str, dict[str, Any]]]
     engine_options: dict[str, Any]
     resume_dir: str | None
+    #: longest training prompt in tokens (the prompt width P of every block); 0 when models=False
+    max_prompt_len: int = 0
 
     @property
     def rl(self) -> bool:
@@ -79,8 +81,9 @@ def kept_versions(cfg: RunConfig) -> int:
 
 # --- models ----------------------------------------------------------------------------------------
 def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
-    """Find the teacher and student checkpoints; fail with the command that creates them."""
-    from asyncrl.workloads.checkpoints import load_pair, read_meta
+    """Find the teacher and student checkpoints and check them without loading weights (complete,
+    weight files intact, one vocabulary); fail with the command that creates them."""
+    from asyncrl.workloads.checkpoints import check_pair, read_meta
     from asyncrl.workloads.pretrain import run_dir_for
 
     w = cfg.workload
@@ -98,7 +101,7 @@ def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
     # absolute: Ray actors and Train workers do not run in the driver's working directory
     teacher_dir = str(Path(teacher_dir).resolve()) if teacher_dir else None
     student_dir = str(Path(student_dir).resolve())
-    load_pair(teacher_dir or student_dir, student_dir)  # raises on missing/incomplete dirs and vocab mismatch
+    check_pair(teacher_dir or student_dir, student_dir)  # missing/incomplete/truncated dirs, vocab mismatch
     tmeta = read_meta(teacher_dir) if teacher_dir else {}
     smeta = read_meta(student_dir)
     return ModelPaths(
@@ -215,16 +218,56 @@ def check_gpus(cfg: RunConfig, cluster_gpus: float, *, rl: bool) -> None:
             f"{pc.gpus_per_worker:g}: Ray would pack several ranks onto one GPU, which NCCL refuses; "
             f"use pipeline.gpus_per_worker=1 (one GPU per rank) or pipeline.learner_workers=1"
         )
-    actors = pc.generators + (0 if rl else pc.teacher_scorers)
-    need = pc.learner_workers * pc.gpus_per_worker + actors * pc.gpus_per_actor
+    need, parts = _reserved(cfg, "gpus", pc.generators + (0 if rl else pc.teacher_scorers))
     if cluster_gpus + 1e-9 < need:
         raise ValueError(
-            f"pipeline.device=cuda reserves {need:g} GPUs ({pc.learner_workers} learner worker(s) x "
-            f"gpus_per_worker={pc.gpus_per_worker:g} + {actors} actor(s) x gpus_per_actor="
-            f"{pc.gpus_per_actor:g}) but the Ray cluster has {cluster_gpus:g}: lower the shares "
-            f"(e.g. pipeline.gpus_per_worker=0.5 pipeline.gpus_per_actor=0.25 on one GPU) or use "
-            f"pipeline.device=cpu"
+            f"pipeline.device=cuda reserves {need:g} GPUs ({parts}) but the Ray cluster has "
+            f"{cluster_gpus:g}: lower the shares (e.g. pipeline.gpus_per_worker=0.5 "
+            f"pipeline.gpus_per_actor=0.25 on one GPU) or use pipeline.device=cpu"
         )
+
+
+def _reserved(cfg: RunConfig, unit: str, actors: int) -> tuple[float, str]:
+    """What the run reserves of ``unit`` (``cpus`` | ``gpus``): the total and its breakdown."""
+    pc = cfg.pipeline
+    per_worker, per_actor = getattr(pc, f"{unit}_per_worker"), getattr(pc, f"{unit}_per_actor")
+    need = pc.learner_workers * per_worker + actors * per_actor
+    parts = (
+        f"{pc.learner_workers} learner worker(s) x {unit}_per_worker={per_worker:g} + {actors} actor(s) x "
+        f"{unit}_per_actor={per_actor:g}"
+    )
+    return need, parts
+
+
+def local_cpus(cfg: RunConfig) -> int:
+    """Logical CPUs of the local Ray instance ``asyncrl.pipeline`` starts (``pipeline.num_cpus``)."""
+    import os
+
+    return cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
+
+
+def check_cpus(cfg: RunConfig, cluster_cpus: float) -> None:
+    """The CPU shares the run reserves (learner workers, generators, scorers) must fit the Ray
+    cluster's logical CPUs, else an actor waits for them forever."""
+    need, parts = _reserved(cfg, "cpus", cfg.pipeline.generators + cfg.pipeline.teacher_scorers)
+    if cluster_cpus + 1e-9 < need:
+        raise ValueError(
+            f"the run reserves {need:g} CPUs ({parts}) but the Ray cluster has {cluster_cpus:g}: lower "
+            f"pipeline.cpus_per_actor / pipeline.cpus_per_worker or the actor counts, or raise "
+            f"pipeline.num_cpus"
+        )
+
+
+def check_local_resources(cfg: RunConfig, *, rl: bool) -> None:
+    """Before Ray starts: a run on a local Ray instance (no ``pipeline.ray_address``) must fit its
+    logical CPUs and this machine's GPUs (a cluster is checked once joined, by the pipeline)."""
+    if cfg.pipeline.ray_address:
+        return
+    check_cpus(cfg, local_cpus(cfg))
+    if cfg.pipeline.device == "cuda":
+        import torch
+
+        check_gpus(cfg, float(torch.cuda.device_count()), rl=rl)
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
@@ -244,6 +287,8 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
     cfg = absolute_paths(cfg)
     paths = resolve_models(cfg, rl=cfg.algo == "rl") if models else None
     _, kind, opts = check_components(cfg, paths.student_dir if paths else None)
+    check_local_resources(cfg, rl=kind is None)
+    max_prompt_len = check_prompts(cfg, paths) if paths else check_prompts(cfg, None)
     resume = latest(cfg.run_dir) if cfg.pipeline.resume else None
     return RunPlan(
         cfg=cfg,
@@ -253,6 +298,7 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
         controller_specs=controller_specs(cfg),
         engine_options=generator_engine_options(cfg),
         resume_dir=str(resume) if resume else None,
+        max_prompt_len=max_prompt_len,
     )
 
 
@@ -268,6 +314,45 @@ def load_examples(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
         train = task.make_examples("train", cfg.workload.train_size, cfg.workload.pretrain_seed)
     evals = task.make_examples("eval", cfg.workload.eval_size, cfg.workload.pretrain_seed)
     return train, evals
+
+
+def check_prompts(cfg: RunConfig, models: ModelPaths | None) -> int:
+    """The prompt source reads and every prompt fits the models' context; returns the longest
+    training prompt in tokens. Without ``models`` only the file itself is checked (it exists,
+    parses, has rows and a ``prompt`` column; errors name the file, the row and the fix)."""
+    train, evals = load_examples(cfg)
+    if models is None:
+        return 0
+    from transformers import AutoTokenizer
+
+    from asyncrl.workloads.checkpoints import context_length
+    from asyncrl.workloads.tasks import prompt_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(models.student_dir, local_files_only=True)
+    dirs = [d for d in (models.student_dir, models.teacher_dir) if d]
+    contexts = [c for c in (context_length(d) for d in dirs) if c]
+    context = min(contexts) if contexts else None
+    source = f"prompt file {cfg.workload.prompts_path!r}" if cfg.workload.prompts_path else "task prompts"
+    longest = 0
+    for split, examples in (("train", train), ("eval", evals)):
+        if not examples:
+            continue
+        prompts = [e.prompt for e in examples]
+        empty = next((i for i, p in enumerate(prompts) if not p.strip()), None)
+        if empty is not None:
+            raise ValueError(f"{source}: {split} row {empty} is an empty prompt; remove empty prompts")
+        # as the models are prompted (a chat template's turn markers count against the context)
+        lengths = [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
+        i = int(np.argmax(lengths))
+        if context is not None and lengths[i] + cfg.sampling.max_new_tokens > context:
+            raise ValueError(
+                f"{source}: {split} row {i} has {lengths[i]} tokens + sampling.max_new_tokens="
+                f"{cfg.sampling.max_new_tokens} > the models' context of {context} tokens "
+                f"(max_position_embeddings); shorten the prompt or lower sampling.max_new_tokens"
+            )
+        if split == "train":
+            longest = lengths[i]
+    return longest
 
 
 def prompt_blocks(

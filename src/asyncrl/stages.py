@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from asyncrl.caches import CACHES, score_teacher
 from asyncrl.coordinator import PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
+from asyncrl.faults import NO_FAULTS, Faults
 from asyncrl.registry import RegistryError
 
 
@@ -62,23 +62,9 @@ def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[
     return {k: pad_to(v, length, fill.get(k, 0.0)) for k, v in out.items()}
 
 
-#: fault injection for tests: "<marker path>:<k>" makes the generator process exit right after its
-#: k-th admission (1-based), once per marker file, as an OOM kill or engine crash would
-CRASH_ENV = "ASYNCRL_INJECT_GENERATOR_CRASH"
-
-
 def _exit_process(code: int) -> None:
     """Exit now, without cleanup (a dead engine may hang it); Ray restarts the actor."""
     os._exit(code)
-
-
-def _injected_crash() -> tuple[Path, int] | None:
-    """(marker, k) from ``CRASH_ENV``, read once per actor; None when unset (always, outside tests)."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return None
-    marker, k = spec.rsplit(":", 1)
-    return Path(marker), int(k)
 
 
 class Generate:
@@ -98,6 +84,8 @@ class Generate:
         torch_threads: int = 1,
         engine_options: dict[str, Any] | None = None,
         max_engine_restarts: int = 3,
+        stream: int | None = None,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         torch.set_num_threads(torch_threads)
         try:
@@ -114,7 +102,8 @@ class Generate:
         self.admit_timeout_s = admit_timeout_s
         self.have_version = -1
         self.admissions = 0
-        self.crash_at = _injected_crash()
+        self.stream = stream
+        self.faults = faults
         self.max_engine_restarts = max_engine_restarts
 
     def _restart_or_fail(self, err: EngineDeadError) -> None:
@@ -153,13 +142,12 @@ class Generate:
         # blocks are admitted in stream order by index; a retry of this block (the actor died and
         # Ray Data re-ran it on a restarted actor) gets its admission back instead of new budget
         block = int(np.asarray(batch[R.BLOCK_INDEX])[0])
-        admitted = self.store.acquire(n, block, timeout_s=self.admit_timeout_s)
-        if admitted is None:  # the run finished while we waited: emit nothing
+        admitted = self.store.acquire(n, block, timeout_s=self.admit_timeout_s, stream=self.stream)
+        if admitted is None:  # the run finished (or its stream was replaced) while we waited
             return {k: v[:0] for k, v in batch.items()}
         self.admissions += 1
-        if self.crash_at and self.admissions == self.crash_at[1] and not self.crash_at[0].exists():
-            self.crash_at[0].touch()
-            _exit_process(1)
+        self.faults.exit_if("generator_exit", self.admissions)
+        self.faults.delay(self.seed, block)
         t_start = time.perf_counter()
         try:
             self._sync_weights(admitted["behavior_version"])
@@ -198,13 +186,15 @@ class Generate:
 class ScoreReward:
     """Reward stage for RL (and task accuracy telemetry in OPD): decode, verify, score."""
 
-    def __init__(self, *, task: str, tokenizer_dir: str) -> None:
+    def __init__(self, *, task: str, tokenizer_dir: str, faults: Faults = NO_FAULTS) -> None:
         from transformers import AutoTokenizer
 
         from asyncrl.workloads.tasks import get_task
 
         self.task = get_task(task)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        self.faults = faults
+        self.blocks = 0
 
     def rewards(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         ids = np.asarray(batch[R.COMPLETION_IDS])
@@ -216,6 +206,8 @@ class ScoreReward:
         return np.asarray([self.task.reward(t, str(a)) for t, a in zip(texts, answers)], dtype=np.float32)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.blocks += 1
+        self.faults.exit_if("scorer_exit", self.blocks)
         out = dict(batch)
         out[R.REWARD] = self.rewards(batch)
         out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
@@ -242,6 +234,7 @@ class ScoreTeacher:
         seed: int,
         torch_threads: int = 1,
         device: str = "cpu",
+        faults: Faults = NO_FAULTS,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -251,10 +244,14 @@ class ScoreTeacher:
         self.cache = CACHES.get(cache)(**cache_options)
         self.reward = ScoreReward(task=task, tokenizer_dir=teacher_dir)
         self.seed = seed
+        self.faults = faults
+        self.blocks = 0
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if len(batch[R.SAMPLE_ID]) == 0:
             return batch
+        self.blocks += 1
+        self.faults.exit_if("scorer_exit", self.blocks)
         t0 = time.perf_counter()
         tensors = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
         scores = score_teacher(

@@ -89,7 +89,12 @@ SAMPLE_COLUMNS = (
     "completion_len",
     "loss",
     "step",
+    "drop_reason",
 )
+#: per-sample ``drop_reason``: "" for a trained sample, else why it was consumed without training
+DROP_REASON = "drop_reason"
+DROPPED_CONTROLLERS = "controllers"  # the controller chain's keep() said no (e.g. lag > max_lag)
+DROPPED_NONFINITE = "nonfinite"  # its optimizer step had a non-finite loss or gradient (skipped)
 
 # --- summary.json ----------------------------------------------------------------------------
 SUMMARY_KEYS = (
@@ -110,10 +115,25 @@ SUMMARY_KEYS = (
     "reward_mean_last",
     "admission_wait_s",
     "in_flight_regenerated_on_resume",
+    "status",
+    "error",
+    "samples_drawn",
+    "samples_dropped_controllers",
+    "samples_dropped_nonfinite",
+    "samples_regenerated",
+    "samples_in_flight_end",
+    "ledger_balanced",
+    "learner_restarts",
+    "driver_resumes",
     "generation_retries",
     "engine_restarts",
     "run_dir",
 )
+#: summary ``status``: the run reached train.steps / stopped with an error / was stopped by the
+#: numerics guard (train.max_nonfinite_steps)
+STATUS_COMPLETED = "completed"
+STATUS_FAILED = "failed"
+STATUS_ABORTED = "aborted"
 
 __all__ = [
     "BUCKET_PREFIX",
@@ -121,6 +141,9 @@ __all__ = [
     "CONFIG_FILE",
     "DROPPED",
     "ESS_LR_RHO",
+    "DROPPED_CONTROLLERS",
+    "DROPPED_NONFINITE",
+    "DROP_REASON",
     "ESS_RHO",
     "EVAL_ACCURACY",
     "GAC_COS_PREV",
@@ -140,6 +163,9 @@ __all__ = [
     "SAMPLES_PARTS_DIR",
     "SAMPLES_PER_S",
     "SAMPLE_COLUMNS",
+    "STATUS_ABORTED",
+    "STATUS_COMPLETED",
+    "STATUS_FAILED",
     "STEP",
     "SUMMARY_FILE",
     "SUMMARY_KEYS",

@@ -44,8 +44,10 @@ def step_metrics(result: Any) -> dict[str, float]:
     out = dict(result.metrics)
     lags = result.lags_global.double()
     out[N.DROPPED] = float(result.n_dropped)
-    out[N.SAMPLES_KEPT] = float(result.n_kept)
-    if result.n_kept:
+    # a skipped non-finite step trained nothing (its samples' drop_reason says so), and its
+    # figures are NaN: only numerics/skipped is reported for it
+    out[N.SAMPLES_KEPT] = 0.0 if result.nonfinite else float(result.n_kept)
+    if result.n_kept and not result.nonfinite:
         out.update(
             {
                 N.LOSS: result.loss,
@@ -85,6 +87,12 @@ def sample_rows(batch: Mapping[str, Any], result: Any, version: int, step: int) 
         **result.samples,
     }
     rows.update({k: np.asarray(batch[k]) for k in BATCH_EXTRAS if k in batch})
+    # the ledger per sample: a non-finite step trained nothing, so its samples count as dropped
+    passed = np.asarray(result.samples["kept"]).astype(bool)
+    rows["kept"] = passed & (not result.nonfinite)
+    rows[N.DROP_REASON] = np.where(
+        passed, N.DROPPED_NONFINITE if result.nonfinite else "", N.DROPPED_CONTROLLERS
+    ).astype(object)
     return rows
 
 

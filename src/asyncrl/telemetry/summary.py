@@ -47,14 +47,16 @@ def summarize(
     teacher_accuracy: float | None,
     wall_s: float,
     store_stats: dict[str, Any],
+    status: str = N.STATUS_COMPLETED,
 ) -> dict[str, Any]:
-    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS`` and the ledger counts)."""
+    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS``), the sample ledger among them."""
     metrics = read_metrics(run_dir)
     samples = read_samples(run_dir)
     evals = [m[N.EVAL_ACCURACY] for m in metrics if N.EVAL_ACCURACY in m]
     kept = samples[samples["kept"]] if len(samples) else samples
     lags = kept["lag"].to_numpy() if len(kept) else np.zeros(0)
     return {
+        "status": status,
         "algo": algo,
         "estimator": estimator,
         "max_lag": max_lag,
@@ -71,11 +73,59 @@ def summarize(
         "reward_mean_first": _mean_reward(kept, first=True),
         "reward_mean_last": _mean_reward(kept, first=False),
         "admission_wait_s": store_stats.get("admission_wait_s"),
-        # samples that were in flight when the run was last checkpointed and had to be generated again
-        "in_flight_regenerated_on_resume": store_stats.get("budget/lost", 0),
+        **ledger(samples, store_stats),
         # blocks re-run after their generator died (they kept their admission: no budget leaked)
         "generation_retries": store_stats.get("budget/retries", 0),
         "engine_restarts": store_stats.get("engine_deaths", 0),
+        "run_dir": str(run_dir),
+    }
+
+
+def ledger(samples: Any, store_stats: dict[str, Any]) -> dict[str, Any]:
+    """Where every sample drawn ended, and whether the books balance.
+
+    The PolicyStore counts draws (``books/*``: drawn, trained, dropped, regenerated after a fault,
+    in flight at the end); samples.parquet has one row per consumed sample with its
+    ``drop_reason``. Balanced means ``drawn = trained + dropped + regenerated + in_flight``, the
+    store's trained and dropped counts equal the rows', and no sample id has two rows (none
+    trained twice)."""
+    books = {k.split("/", 1)[1]: int(v) for k, v in store_stats.items() if k.startswith("books/")}
+    n = len(samples)
+    kept = int(samples["kept"].sum()) if n else 0
+    reasons = samples[N.DROP_REASON] if n and N.DROP_REASON in samples else None
+    nonfinite = int((reasons == N.DROPPED_NONFINITE).sum()) if reasons is not None else 0
+    unique = bool(samples["sample_id"].is_unique) if n else True
+    balanced = bool(
+        books
+        and books["drawn"] == books["trained"] + books["dropped"] + books["regenerated"] + books["in_flight"]
+        and books["trained"] == kept
+        and books["dropped"] == n - kept
+        and unique
+    )
+    return {
+        "samples_drawn": books.get("drawn"),
+        "samples_dropped_controllers": n - kept - nonfinite,
+        "samples_dropped_nonfinite": nonfinite,
+        "samples_regenerated": books.get("regenerated"),
+        "samples_in_flight_end": books.get("in_flight"),
+        "ledger_balanced": balanced,
+        "learner_restarts": books.get("learner_restarts", 0),
+        "driver_resumes": books.get("driver_resumes", 0),
+    }
+
+
+def failed_summary(run_dir: str | Path, error: BaseException, *, wall_s: float) -> dict[str, Any]:
+    """``summary.json`` of a run that raised: ``status: failed``, the one-line error, the steps done."""
+    try:
+        steps = max((m.get(N.STEP, 0) for m in read_metrics(run_dir)), default=0)
+    except FileNotFoundError:
+        steps = 0
+    text = " ".join(str(error).split()) or type(error).__name__
+    return {
+        "status": N.STATUS_FAILED,
+        "error": f"{type(error).__name__}: {text[:2000]}",
+        "steps": steps,
+        "wall_time_s": wall_s,
         "run_dir": str(run_dir),
     }
 

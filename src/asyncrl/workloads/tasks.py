@@ -282,13 +282,27 @@ def load_prompts(path: str | Path) -> list[Example]:
         raise FileNotFoundError(f"prompt file {str(p)!r} does not exist; pass a Parquet or JSONL file")
     suffix = p.suffix.lower()
     if suffix in (".parquet", ".pq"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows: list[dict[str, Any]] = pq.read_table(p).to_pylist()
-        columns = set(pq.read_schema(p).names)
+        try:
+            table = pq.read_table(p)
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(
+                f"prompt file {str(p)!r} is not a readable Parquet file ({_one_line(err)}); write it with "
+                f"pandas.DataFrame.to_parquet, or use a .jsonl file"
+            ) from None
+        rows: list[dict[str, Any]] = table.to_pylist()
+        columns = set(table.column_names)
     elif suffix in (".jsonl", ".json", ".ndjson"):
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"prompt file {str(p)!r} is not UTF-8 text (byte {err.start}); re-encode it as UTF-8"
+            ) from None
         rows = []
-        for line_no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        for line_no, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -306,7 +320,7 @@ def load_prompts(path: str | Path) -> list[Example]:
     else:
         raise ValueError(f"prompt file {str(p)!r}: unsupported extension {suffix!r}; use .parquet or .jsonl")
     if not rows:
-        raise ValueError(f"prompt file {str(p)!r} has no rows")
+        raise ValueError(f"prompt file {str(p)!r} has no rows; add at least one row with a 'prompt'")
     if "prompt" not in columns:
         raise ValueError(
             f"prompt file {str(p)!r} has no 'prompt' column (columns: {sorted(columns)}); "
@@ -316,10 +330,22 @@ def load_prompts(path: str | Path) -> list[Example]:
     for i, row in enumerate(rows):
         prompt, answer = row.get("prompt"), row.get("answer")
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt file {str(p)!r}: row {i} has a non-string 'prompt' ({prompt!r})")
+            raise ValueError(
+                f"prompt file {str(p)!r}: row {i} has a non-string 'prompt' ({_short(repr(prompt))}); "
+                f"every prompt must be text"
+            )
+        if not prompt.strip():
+            raise ValueError(f"prompt file {str(p)!r}: row {i} has an empty 'prompt'; remove the row")
         answer = "" if answer is None else str(answer)
         pid = row.get("prompt_id", i)
-        out.append(Example(prompt=prompt, answer=answer, prompt_id=int(pid if pid is not None else i)))
+        try:
+            pid = int(pid if pid is not None else i)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"prompt file {str(p)!r}: row {i} has a non-integer 'prompt_id' ({_short(repr(pid))}); "
+                f"use integers or drop the column"
+            ) from None
+        out.append(Example(prompt=prompt, answer=answer, prompt_id=pid))
     return out
 
 
@@ -406,6 +432,11 @@ def encode_prompts(
         ids[b, P - n :] = torch.tensor(toks, dtype=torch.int64)
         mask[b, P - n :] = True
     return ids, mask
+
+
+def _one_line(err: BaseException, limit: int = 120) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _short(text: str, limit: int = 60) -> str:
