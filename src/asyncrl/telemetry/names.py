@@ -51,6 +51,14 @@ LEARNER_IDLE_FRAC = "throughput/learner_idle_frac"
 TEACHER_MASS = "est/teacher_mass"
 #: greedy exact-match accuracy; present only on eval steps
 EVAL_ACCURACY = "eval/accuracy"
+#: start-up marks (wall clock, epoch seconds), logged with the learner process's first step: its
+#: training loop began, it published its first weights (admission opened), its first rollout
+#: batch arrived, its first optimizer step was done
+LEARNER_START_AT = "time/learner_start_at"
+LEARNER_READY_AT = "time/learner_ready_at"
+FIRST_BATCH_AT = "time/first_batch_at"
+FIRST_STEP_AT = "time/first_step_at"
+STARTUP_MARKS = (LEARNER_START_AT, LEARNER_READY_AT, FIRST_BATCH_AT, FIRST_STEP_AT)
 
 BUCKET_PREFIX = "bucket/"
 
@@ -102,6 +110,8 @@ SUMMARY_KEYS = (
     "eval_accuracy_initial",
     "eval_accuracy_final",
     "teacher_accuracy",
+    "startup_s",
+    "first_step_s",
     "run_dir",
 )
 
@@ -112,12 +122,16 @@ __all__ = [
     "DROPPED",
     "ESS_RHO",
     "EVAL_ACCURACY",
+    "FIRST_BATCH_AT",
+    "FIRST_STEP_AT",
     "GAC_COS_PREV",
     "GRAD_NORM",
     "KL_BEHAVIOR_CURRENT",
     "LAG_MAX",
     "LAG_MEAN",
     "LEARNER_IDLE_FRAC",
+    "LEARNER_READY_AT",
+    "LEARNER_START_AT",
     "LOSS",
     "LR_APPLIED",
     "LR_SCHEDULED",
@@ -129,6 +143,7 @@ __all__ = [
     "SAMPLES_PARTS_DIR",
     "SAMPLES_PER_S",
     "SAMPLE_COLUMNS",
+    "STARTUP_MARKS",
     "STEP",
     "SUMMARY_FILE",
     "SUMMARY_KEYS",

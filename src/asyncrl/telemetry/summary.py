@@ -47,8 +47,11 @@ def summarize(
     teacher_accuracy: float | None,
     wall_s: float,
     store_stats: dict[str, Any],
+    marks: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS`` and the ledger counts)."""
+    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS`` and the ledger counts).
+
+    ``marks``: the driver's wall-clock marks (epoch s) for the start-up figures (``startup``)."""
     metrics = read_metrics(run_dir)
     samples = read_samples(run_dir)
     evals = [m[N.EVAL_ACCURACY] for m in metrics if N.EVAL_ACCURACY in m]
@@ -76,7 +79,40 @@ def summarize(
         # blocks re-run after their generator died (they kept their admission: no budget leaked)
         "generation_retries": store_stats.get("budget/retries", 0),
         "engine_restarts": store_stats.get("engine_deaths", 0),
+        **startup(metrics, marks or {}),
         "run_dir": str(run_dir),
+    }
+
+
+def startup(metrics: list[dict[str, Any]], marks: dict[str, float]) -> dict[str, Any]:
+    """The fixed cost before training: ``startup_s`` from the start of ``asyncrl.run`` to the first
+    optimizer step, ``first_step_s`` from the start of the command (its process), and where the
+    time went (``startup_breakdown``). Uses the learner's marks logged with its first step in this
+    process (``names.STARTUP_MARKS``) and the driver's ``marks``: ``process_started_at``,
+    ``run_started_at``, ``ray_ready_at`` (Ray up), ``fit_at`` (the Train run submitted)."""
+    learner = next((m for m in reversed(metrics) if N.FIRST_STEP_AT in m), None)
+    if learner is None or "run_started_at" not in marks:
+        return {"startup_s": None, "first_step_s": None, "startup_breakdown": None}
+    first_step = learner[N.FIRST_STEP_AT]
+    points = [
+        ("driver_s", marks["run_started_at"]),  # config, plan, prompts (and Ray's start, below)
+        ("train_workers_s", marks.get("fit_at")),  # Train controller and worker processes
+        ("learner_init_s", learner.get(N.LEARNER_START_AT)),  # model, optimizer, first eval, publish
+        ("first_batch_s", learner.get(N.LEARNER_READY_AT)),  # stage actors start, first rollouts
+        ("first_step_s", learner.get(N.FIRST_BATCH_AT)),
+    ]
+    ends = [t for _, t in points[1:]] + [first_step]
+    breakdown = {
+        name: (end - begin if begin is not None and end is not None else None)
+        for (name, begin), end in zip(points, ends)
+    }
+    if marks.get("ray_ready_at") is not None:
+        breakdown["ray_init_s"] = marks["ray_ready_at"] - marks["ray_started_at"]
+    process = marks.get("process_started_at")
+    return {
+        "startup_s": first_step - marks["run_started_at"],
+        "first_step_s": first_step - process if process is not None else None,
+        "startup_breakdown": breakdown,
     }
 
 
