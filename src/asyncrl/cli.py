@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command: demo, run, validate, report, pretrain, eval, ls.
+"""The ``asyncrl`` command: demo, run, sweep, validate, report, pretrain, eval, ls.
 
 Every subcommand has ``--help``; ``--quiet`` turns progress displays off (CI, logs). Errors
 print one line naming what is wrong and how to fix it, and exit non-zero (2 for config and
@@ -29,13 +29,14 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "tasks": ("asyncrl.workloads.tasks", "TASKS"),
     "engines": ("asyncrl.engines", "ENGINES"),
     "presets": ("asyncrl.workloads.presets", "PRESETS"),
+    "tokenizers": ("asyncrl.workloads.tokenizer", "TOKENIZERS"),
 }
 
 DEMO_STEPS = 60
 DEMO_MAX_LAG = 2
-#: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml)
+#: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml);
+#: generation is sized from the task (sampling.max_new_tokens: auto) unless overridden
 DEMO_OVERRIDES = (
-    "sampling.max_new_tokens=6",
     "train.batch_size=32",
     "train.eval_every=20",
     "train.eval_size=256",
@@ -155,6 +156,59 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- sweep -----------------------------------------------------------------------------------------
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from asyncrl.sweep import SweepError, aggregate_sweep, cell_state, load_sweep, run_sweep
+    from asyncrl.telemetry.progress import GridProgress
+
+    if args.parallel < 1:
+        raise CLIError(f"--parallel must be >= 1; got {args.parallel}", EXIT_USAGE)
+    try:  # every cell's config, and every existing run directory, before anything runs
+        sweep = load_sweep(args.sweep, args.overrides, output_dir=args.output_dir)
+        states = {c.key: cell_state(c, sweep.path) for c in sweep.cells}
+    except SweepError as err:
+        raise CLIError(str(err), EXIT_USAGE) from None
+    if args.list:
+        for cell in sweep.cells:
+            print(f"{states[cell.key]:<8} {cell.key}")
+        print(f"{len(sweep.cells)} cells in {sweep.output_dir}")
+        return 0
+    todo = [c for c in sweep.cells if states[c.key] != "done"]
+    results: dict[str, Any] = {}
+    if todo and not args.report_only:
+        for cfg in {c.config.workload: c.config for c in todo}.values():
+            _check_checkpoints(cfg)
+        _say(
+            args,
+            f"sweep {sweep.name}: {len(sweep.cells)} cells, {len(sweep.cells) - len(todo)} done before, "
+            f"{len(todo)} to run -> {sweep.output_dir}",
+        )
+        with GridProgress(
+            len(sweep.cells),
+            done=len(sweep.cells) - len(todo),
+            concurrency=args.parallel,
+            enabled=not args.quiet,
+            title=f"sweep {sweep.name}",
+        ) as progress:
+            results = run_sweep(
+                sweep,
+                parallel=args.parallel,
+                progress=progress,
+                fail_fast=args.fail_fast,
+                say=lambda line: _say(args, line),
+            )
+    out = aggregate_sweep(sweep, results)
+    counts = ", ".join(f"{n} {status}" for status, n in out.statuses.items())
+    ran = sum(r.status != "skipped" for r in results.values())
+    print(f"cells: {counts} ({ran} run now)")
+    print(f"tables: {out.cells} {out.seeds} (and .parquet)")
+    print(f"report: {out.report}")
+    failed = {k: r for k, r in results.items() if r.status == "failed"}
+    for key, result in failed.items():
+        print(f"asyncrl: cell {key} failed: {result.error}", file=sys.stderr)
+    return EXIT_ERROR if failed else 0
+
+
 # --- report ----------------------------------------------------------------------------------------
 def cmd_report(args: argparse.Namespace) -> int:
     from asyncrl.telemetry.report import write_report
@@ -188,7 +242,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from asyncrl.workloads.checkpoints import load_model
     from asyncrl.workloads.evaluate import exact_match
-    from asyncrl.workloads.tasks import get_task
+    from asyncrl.workloads.tasks import answer_token_budget, get_task
 
     if args.n < 1:
         raise CLIError(f"--n must be >= 1; got {args.n}", EXIT_USAGE)
@@ -197,7 +251,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     hint = f"run `asyncrl pretrain --task {args.task} --preset small` and pass a directory it prints"
     model, tokenizer = load_model(args.model, hint=hint)
     examples = task.make_examples("eval", args.n, args.seed)
-    max_new = args.max_new_tokens or task.max_answer_chars + 1  # + EOS
+    max_new = args.max_new_tokens or answer_token_budget(task, tokenizer)  # longest answer + EOS, in tokens
     acc = exact_match(model, tokenizer, task, examples, max_new_tokens=max_new, batch_size=args.batch_size)
     print(f"{args.model}: exact match {acc:.4f} on {len(examples)} {args.task} eval examples (greedy)")
     return 0
@@ -393,6 +447,34 @@ def build_parser() -> argparse.ArgumentParser:
     overrides(p)
 
     p = add(
+        "sweep",
+        cmd_sweep,
+        "run a grid of configs x seeds (resumable) and aggregate it into tables, plots and a report",
+        "Run every cell of a sweep file (a base config, fixed overrides, a grid over config keys, named "
+        "variants, seeds; see examples/sweeps/ and docs/sweeps.md) that is not done yet, then write "
+        "OUTPUT/cells.csv|parquet, OUTPUT/seeds.csv|parquet (mean, std, n over seeds), OUTPUT/plots/*.png "
+        "and OUTPUT/report.html. Every cell's config is checked before anything runs (exit 2 naming the "
+        "file, the cell and the field). A finished cell (summary.json) is never rerun; an interrupted one "
+        "resumes from its checkpoint. Exit 1 if a cell failed.",
+    )
+    p.add_argument("sweep", help="sweep YAML (see examples/sweeps/)")
+    overrides(p)
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="cells at a time, each driven by its own Ray task, capped at what the Ray cluster holds "
+        "(default 1: one after another in this process)",
+    )
+    p.add_argument("--output-dir", default=None, help="sweep directory (default: the file's output_dir)")
+    p.add_argument("--list", action="store_true", help="print every cell and its status, run nothing")
+    p.add_argument(
+        "--report-only", action="store_true", help="run nothing; aggregate what the sweep directory holds"
+    )
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failed cell")
+
+    p = add(
         "validate",
         cmd_validate,
         "check a config and print it resolved",
@@ -439,7 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=256, help="number of eval examples")
     p.add_argument("--seed", type=int, default=0, help="seed of the eval examples")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
-    p.add_argument("--max-new-tokens", type=int, default=0, help="default: the task's longest answer + 1")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=0, help="default: the task's longest answer in tokens + 1 (EOS)"
+    )
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1), help="torch threads")
 
     p = add(

@@ -8,6 +8,7 @@ typo fails before any process starts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +23,7 @@ from asyncrl.raysetup import DEFAULT_TICK_S
 @dataclass(frozen=True)
 class WorkloadConfig:
     task: str = field("addition", help="built-in task (asyncrl ls tasks) or a dotted path to a Task")
-    preset: str = field("small", help="model preset for the built-in teacher/student (tiny | small)")
+    preset: str = field("small", help="model preset for the built-in teacher/student (asyncrl ls presets)")
     cache_dir: str = field(".asyncrl_cache", help="where pretrained checkpoints are cached")
     teacher_path: str | None = field(None, help="HF checkpoint dir of a teacher on disk (overrides preset)")
     student_path: str | None = field(None, help="HF checkpoint dir of a student on disk (overrides preset)")
@@ -209,26 +210,46 @@ def _parse_value(text: str) -> Any:
     return yaml.safe_load(text) if text != "" else ""
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in order."""
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"a.b.c=value"`` -> ``("a.b.c", value)``, the value parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(item, item, "overrides look like key.sub=value")
+    key, _, raw = item.partition("=")
+    return key.strip(), _parse_value(raw)
+
+
+def set_key(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of the nested dict ``data`` with the node at dotted ``key`` set to ``value`` (replaced, not
+    merged: ``estimator.options={...}`` replaces the options; ``estimator.options.tail=drop`` sets one)."""
     data = dict(data)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(item, item, "overrides look like key.sub=value")
-        key, _, raw = item.partition("=")
-        parts = key.strip().split(".")
-        node = data
-        for p in parts[:-1]:
-            child = node.get(p)
-            child = dict(child) if isinstance(child, dict) else {}
-            node[p] = child
-            node = child
-        node[parts[-1]] = _parse_value(raw)
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.get(p)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[p] = child
+        node = child
+    node[parts[-1]] = value
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """YAML file (or defaults) + overrides -> validated RunConfig. Names are resolved now."""
+def apply_overrides(data: dict[str, Any], overrides: list[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Apply overrides to a nested dict, in order: ``a.b.c=value`` strings (values parsed as YAML), or a
+    mapping of dotted keys to values (used as they are, e.g. from a sweep file)."""
+    if isinstance(overrides, Mapping):
+        items = list(overrides.items())
+    else:
+        items = [parse_override(item) for item in overrides]
+    for key, value in items:
+        data = set_key(data, key, value)
+    return dict(data)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | Mapping[str, Any] | None = None
+) -> RunConfig:
+    """YAML file (or defaults) + overrides (see ``apply_overrides``) -> validated RunConfig. Names are
+    resolved now."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -248,7 +269,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         )
     cfg = from_dict(RunConfig, data)
     resolve_components(cfg)
-    return cfg
+    return resolve_auto(cfg)
+
+
+def resolve_auto(cfg: RunConfig) -> RunConfig:
+    """Fill the settings left to the workload (idempotent; ``load_config`` and ``asyncrl.run`` call it).
+
+    ``sampling.max_new_tokens: auto`` becomes the task's longest answer in tokens of the run's
+    tokenizer + 1 for EOS (``asyncrl.workloads.tasks.answer_token_budget``): long answers are
+    never cut and short ones waste no generation. The tokenizer is the student's
+    (``workload_tokenizer``), so a BPE that packs digits or letters is measured as it encodes.
+    """
+    if cfg.sampling.max_new_tokens != "auto":
+        return cfg
+    from dataclasses import replace
+
+    from asyncrl.workloads.pretrain import workload_tokenizer
+    from asyncrl.workloads.tasks import answer_token_budget, get_task
+
+    w = cfg.workload
+    tokenizer = workload_tokenizer(
+        w.task, w.preset, cache_dir=w.cache_dir, seed=w.pretrain_seed, student_path=w.student_path
+    )
+    budget = answer_token_budget(get_task(w.task), tokenizer, seed=w.pretrain_seed)
+    return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=budget))
 
 
 def resolve_components(cfg: RunConfig) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.config import RunConfig, load_config, save_config
+from asyncrl.config import RunConfig, load_config, resolve_auto, save_config
 from asyncrl.configurable import to_dict
 from asyncrl.plan import RunPlan, check_gpus, kept_versions, load_examples, make_plan, prompt_blocks
 from asyncrl.raysetup import RAY_ENV, apply_env
@@ -199,10 +199,12 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
     from asyncrl.learner import LearnerSpec, train_loop_per_worker
     from asyncrl.telemetry.sinks import write_summary
     from asyncrl.telemetry.summary import summarize
+    from asyncrl.workloads.tasks import prompt_token_ids
 
     marks = {"run_started_at": time.time(), "process_started_at": process_started_at()}
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
+    cfg = resolve_auto(cfg)  # a RunConfig built in code may still say sampling.max_new_tokens=auto
     t0 = time.perf_counter()
     plan = make_plan(cfg)
     cfg = plan.cfg
@@ -212,7 +214,7 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
 
     tokenizer = AutoTokenizer.from_pretrained(plan.models.student_dir, local_files_only=True)
     train_ex, eval_ex = load_examples(cfg)
-    max_prompt_len = max(len(tokenizer(e.prompt)["input_ids"]) for e in train_ex[:2048])
+    max_prompt_len = max(map(len, prompt_token_ids(tokenizer, [e.prompt for e in train_ex[:2048]])))
     skip = load_ledger(plan.resume_dir) if plan.resume_dir else None
     blocks = prompt_blocks(cfg, train_ex, tokenizer, max_prompt_len, skip)
 

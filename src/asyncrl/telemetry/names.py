@@ -59,6 +59,15 @@ LEARNER_READY_AT = "time/learner_ready_at"
 FIRST_BATCH_AT = "time/first_batch_at"
 FIRST_STEP_AT = "time/first_step_at"
 STARTUP_MARKS = (LEARNER_START_AT, LEARNER_READY_AT, FIRST_BATCH_AT, FIRST_STEP_AT)
+#: summary.json: where a run's start-up went (``telemetry.summary.startup``), in order
+STARTUP_PARTS = (
+    "startup_driver_s",
+    "startup_train_workers_s",
+    "startup_learner_init_s",
+    "startup_first_batch_s",
+    "startup_first_step_s",
+    "startup_ray_init_s",
+)
 
 BUCKET_PREFIX = "bucket/"
 
@@ -110,8 +119,15 @@ SUMMARY_KEYS = (
     "eval_accuracy_initial",
     "eval_accuracy_final",
     "teacher_accuracy",
+    "reward_mean_first",
+    "reward_mean_last",
+    "admission_wait_s",
+    "in_flight_regenerated_on_resume",
+    "generation_retries",
+    "engine_restarts",
     "startup_s",
     "first_step_s",
+    *STARTUP_PARTS,
     "run_dir",
 )
 
@@ -144,6 +160,7 @@ __all__ = [
     "SAMPLES_PER_S",
     "SAMPLE_COLUMNS",
     "STARTUP_MARKS",
+    "STARTUP_PARTS",
     "STEP",
     "SUMMARY_FILE",
     "SUMMARY_KEYS",

@@ -84,36 +84,37 @@ def summarize(
     }
 
 
-def startup(metrics: list[dict[str, Any]], marks: dict[str, float]) -> dict[str, Any]:
+def startup(metrics: list[dict[str, Any]], marks: dict[str, float]) -> dict[str, float | None]:
     """The fixed cost before training: ``startup_s`` from the start of ``asyncrl.run`` to the first
     optimizer step, ``first_step_s`` from the start of the command (its process), and where the
-    time went (``startup_breakdown``). Uses the learner's marks logged with its first step in this
+    time went (``names.STARTUP_PARTS``: the driver's part (config, plan, prompts, Ray's start),
+    of which ``startup_ray_init_s``; the Train controller and worker processes; the learner's
+    model, optimizer, first eval and first publish; the stage actors' start and the first
+    rollouts; the first step). Uses the learner's marks logged with its first step in this
     process (``names.STARTUP_MARKS``) and the driver's ``marks``: ``process_started_at``,
-    ``run_started_at``, ``ray_ready_at`` (Ray up), ``fit_at`` (the Train run submitted)."""
+    ``run_started_at``, ``ray_started_at``, ``ray_ready_at`` and ``fit_at`` (epoch seconds)."""
+    out: dict[str, float | None] = dict.fromkeys(("startup_s", "first_step_s", *N.STARTUP_PARTS))
     learner = next((m for m in reversed(metrics) if N.FIRST_STEP_AT in m), None)
     if learner is None or "run_started_at" not in marks:
-        return {"startup_s": None, "first_step_s": None, "startup_breakdown": None}
+        return out
     first_step = learner[N.FIRST_STEP_AT]
     points = [
-        ("driver_s", marks["run_started_at"]),  # config, plan, prompts (and Ray's start, below)
-        ("train_workers_s", marks.get("fit_at")),  # Train controller and worker processes
-        ("learner_init_s", learner.get(N.LEARNER_START_AT)),  # model, optimizer, first eval, publish
-        ("first_batch_s", learner.get(N.LEARNER_READY_AT)),  # stage actors start, first rollouts
-        ("first_step_s", learner.get(N.FIRST_BATCH_AT)),
+        marks["run_started_at"],
+        marks.get("fit_at"),
+        learner.get(N.LEARNER_START_AT),
+        learner.get(N.LEARNER_READY_AT),
+        learner.get(N.FIRST_BATCH_AT),
+        first_step,
     ]
-    ends = [t for _, t in points[1:]] + [first_step]
-    breakdown = {
-        name: (end - begin if begin is not None and end is not None else None)
-        for (name, begin), end in zip(points, ends)
-    }
-    if marks.get("ray_ready_at") is not None:
-        breakdown["ray_init_s"] = marks["ray_ready_at"] - marks["ray_started_at"]
+    parts = [p for p in N.STARTUP_PARTS if p != "startup_ray_init_s"]
+    for name, begin, end in zip(parts, points[:-1], points[1:]):
+        out[name] = end - begin if begin is not None and end is not None else None
+    if marks.get("ray_ready_at") is not None and marks.get("ray_started_at") is not None:
+        out["startup_ray_init_s"] = marks["ray_ready_at"] - marks["ray_started_at"]
     process = marks.get("process_started_at")
-    return {
-        "startup_s": first_step - marks["run_started_at"],
-        "first_step_s": first_step - process if process is not None else None,
-        "startup_breakdown": breakdown,
-    }
+    out["startup_s"] = first_step - marks["run_started_at"]
+    out["first_step_s"] = first_step - process if process is not None else None
+    return out
 
 
 def _mean_reward(kept: Any, *, first: bool) -> float | None:
