@@ -55,7 +55,7 @@ def plain_loop(cfg, warmup: int = 2) -> dict[str, float]:
     train_ex, _ = load_examples(cfg)
     P = max(len(tok(e.prompt)["input_ids"]) for e in train_ex[:2048])
     blocks = prompt_blocks(cfg, train_ex, tok, P)
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.train.lr)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.train.lr, fused=True)  # as the learner's backend
     T = cfg.sampling.max_new_tokens
     t_start = None
     for step in range(cfg.train.steps):

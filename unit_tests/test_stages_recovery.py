@@ -18,12 +18,10 @@ class Store:
         self.deaths = 0
         self.keys: list[int] = []
 
-    def acquire(self, n, block_index, timeout_s, stream=None):
+    def acquire(self, n, block_index, timeout_s, stream=None, have=None):
         self.keys.append(block_index)
-        return {"ticket": block_index, "version": 0, "expected_version": 0, "behavior_version": None}
-
-    def latest(self, have):
-        return 0, None
+        admitted = {"ticket": block_index, "version": 0, "expected_version": 0, "behavior_version": None}
+        return {**admitted, "weights": None}  # the generator holds the latest weights
 
     def engine_died(self) -> int:
         self.deaths += 1

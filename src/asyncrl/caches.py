@@ -481,8 +481,13 @@ def score_teacher(
     Runs under ``no_grad`` through ``records.completion_logits`` (the single place the
     position shift happens, so teacher and student logits are aligned the same way). Put the
     teacher in eval mode. The cache's ``temperature`` (the rollout's τ) divides the logits.
-    ``seed`` feeds caches that sample (``teacher_mc``); inputs are moved to the model's device
-    and outputs stay there.
+    ``seed`` feeds caches that sample (``teacher_mc``); inputs are moved
+    to the model's device and outputs stay there.
+
+    The forward runs over the batch's longest completion only (``records.trim_to_longest``):
+    rollouts arrive padded to ``max_new_tokens`` and the teacher's cost grows with every position
+    (demo config: 4 of 6 completion slots used, 11 of 13 positions). The columns come back padded
+    to the input's T, with 0 at the padded positions (masked everywhere downstream).
     """
     cache = _resolve(cache)
     needed = (R.PROMPT_IDS, R.PROMPT_MASK, R.COMPLETION_IDS, R.COMPLETION_MASK, *cache.input_columns())
@@ -492,12 +497,15 @@ def score_teacher(
             f"score_teacher: columns {missing} are missing from the batch; present: {sorted(batch)}"
         )
     device = next(iter(teacher_model.parameters())).device
+    length = batch[R.COMPLETION_IDS].shape[1]
     tb = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    tb = R.trim_to_longest(tb)
     with torch.no_grad():
         logits = R.completion_logits(
             teacher_model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
         )
-        return cache.build(logits, tb, seed=seed)
+        record = cache.build(logits, tb, seed=seed)
+    return {k: R.pad_to(v, length, 0) for k, v in record.items()}
 
 
 def cache_for(estimator: Any) -> str | None:

@@ -147,6 +147,8 @@ def _summary_lines(summary: Mapping[str, Any]) -> list[str]:
         f"samples/s {f('samples_per_s', '.1f')}",
         f"lag p50 {f('lag_p50', 'g')}  max {f('lag_max', 'd')}  "
         f"eval accuracy {f('eval_accuracy_initial')} -> {f('eval_accuracy_final')}",
+        f"start-up: first optimizer step {f('first_step_s', '.1f')} s after the command started "
+        f"({f('startup_s', '.1f')} s after this run started)",
     ]
 
 
@@ -353,6 +355,7 @@ def demo_table(
 def cmd_demo(args: argparse.Namespace) -> int:
     import asyncrl
     from asyncrl.config import load_config
+    from asyncrl.pipeline import ray_session
     from asyncrl.telemetry.report import write_report
     from asyncrl.workloads.pretrain import pretrain
 
@@ -382,9 +385,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         task=args.task, preset=args.preset, cache_dir=args.cache_dir, seed=args.seed, progress=not args.quiet
     )
     summaries = {}
-    for i, (label, cfg) in enumerate(runs.items()):
-        _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
-        summaries[label] = asyncrl.run(cfg).summary
+    with ray_session(runs["sync"]):  # one Ray instance for both runs
+        for i, (label, cfg) in enumerate(runs.items()):
+            _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
+            summaries[label] = asyncrl.run(cfg).summary
     _say(args, "[4/4] report over both runs")
     report = write_report(
         [root / "sync", root / "async"], root / "report.html", title="asyncrl demo: sync vs async"

@@ -116,6 +116,11 @@ class PipelineConfig:
     )
     generators: int = field(1, help="generation actors in the Ray Data actor pool")
     teacher_scorers: int = field(1, help="teacher-scoring actors in the Ray Data actor pool")
+    fuse_scoring: bool = field(
+        False,
+        help="score each block in the generator actor that generated it (one stage hand-off fewer; "
+        "teacher_scorers must then be 1)",
+    )
     cpus_per_actor: float = field(0.5, help="logical CPUs reserved per generator/teacher actor")
     cpus_per_worker: float = field(0.5, help="logical CPUs reserved per learner worker")
     generator_resources: dict[str, float] = field(
@@ -151,8 +156,9 @@ class PipelineConfig:
     ray_address: str | None = field(None, help="existing Ray cluster ('auto' or host:port); None = local")
     data_tick_s: float | None = field(
         DEFAULT_TICK_S,
-        help="Ray Data scheduling tick (s) in every Ray worker asyncrl starts (Ray's own: 0.1 s, paid "
-        "per stage hand-off while a generator waits for admission); None keeps Ray's",
+        help="longest sleep (s) of Ray Data's scheduling loop when no task finishes; asyncrl makes the "
+        "loop wake when a task finishes, so a finished block moves on at once (asyncrl.raysetup); None "
+        "keeps Ray's own loop (which waits for all running tasks, up to 0.1 s, per stage hand-off)",
     )
     no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
     rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
@@ -163,6 +169,13 @@ class PipelineConfig:
         check(self.learner_workers >= 1, "learner_workers", self.learner_workers, "use >= 1")
         check(self.generators >= 1, "generators", self.generators, "use >= 1")
         check(self.teacher_scorers >= 1, "teacher_scorers", self.teacher_scorers, "use >= 1")
+        check(
+            not self.fuse_scoring or self.teacher_scorers == 1,
+            "teacher_scorers",
+            self.teacher_scorers,
+            "with fuse_scoring=true every generator scores its own blocks: set teacher_scorers=1 "
+            "(or fuse_scoring=false)",
+        )
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
         check(self.max_engine_restarts >= 0, "max_engine_restarts", self.max_engine_restarts, "use >= 0")
         check(self.max_learner_failures >= 0, "max_learner_failures", self.max_learner_failures, "use >= 0")

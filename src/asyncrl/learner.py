@@ -29,11 +29,12 @@ import contextlib
 import json
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -49,6 +50,8 @@ from asyncrl.faults import NO_FAULTS, Faults
 from asyncrl.step import StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.steps import bucket_metrics, sample_rows, step_metrics
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,13 +76,20 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point. ``config["spec"]`` is a ``LearnerSpec``."""
     spec: LearnerSpec = config["spec"]
     tc = spec.cfg.train
+    started_at = time.time()
+    # the stream starts now, so its executor and the stage actors (a process each, seconds to
+    # import torch and load a model) start while this worker loads its model and evaluates
+    batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world))
     w = Learner(spec)
     w.start()  # publish the starting weights: admission opens
+    w.marks = {N.LEARNER_START_AT: started_at, N.LEARNER_READY_AT: time.time()}
     if w.version >= tc.steps:  # resumed from the final checkpoint: nothing left to train
         w.finish()
         return
-    for batch in w.rollout_batches():
+    for batch in batches:
         t_got = time.perf_counter()
+        if w.marks is not None:
+            w.marks.setdefault(N.FIRST_BATCH_AT, time.time())
         keep = w.parts.controllers.keep(sample_info(batch), w.version)
         n_mb = tc.minibatches
         consumed = [0, 0]  # (trained, dropped): a non-finite step trains none of its samples
@@ -108,6 +118,47 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     w.finish()
 
 
+def rollout_batches(local_batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+    """This rank's blocks of the stream, in order, as numpy batches (empty ones skipped)."""
+    import ray.train
+
+    it = ray.train.get_dataset_shard("train").iter_batches(
+        batch_size=local_batch_size, prefetch_batches=0, batch_format="numpy"
+    )
+    for batch in it:
+        if len(batch[R.SAMPLE_ID]):
+            batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
+            yield batch
+
+
+def started_early(items: Iterator[T]) -> Iterator[T]:
+    """``items``, whose first item is pulled now in a background thread (the rest in the caller's).
+
+    Pulling the first batch starts the Ray Data stream; it arrives once the learner has published
+    its first weights, so the thread waits for that while the caller gets on with its start-up."""
+    box: dict[str, Any] = {}
+
+    def pull() -> None:
+        try:
+            box["item"] = next(items)
+        except BaseException as err:  # StopIteration included: handed to the caller's thread
+            box["error"] = err
+
+    thread = threading.Thread(target=pull, name="asyncrl-stream-start", daemon=True)
+    thread.start()
+
+    def rest() -> Iterator[T]:
+        thread.join()
+        if isinstance(box.get("error"), StopIteration):
+            return
+        if "error" in box:
+            raise box["error"]
+        yield box["item"]
+        yield from items
+
+    return rest()
+
+
 class Learner:
     """One Train worker's state: the step's parts, the store, the books, and rank 0's writers."""
 
@@ -115,7 +166,7 @@ class Learner:
         import ray.train.torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from asyncrl.coordinator import PolicyStoreClient
+        from asyncrl.coordinator import BackgroundPublisher, PolicyStoreClient
 
         self.spec = spec
         cfg = self.cfg = spec.cfg
@@ -179,7 +230,10 @@ class Learner:
         self.store = PolicyStoreClient.connect(
             spec.namespace, timeout_s=pc.rpc_timeout_s, name=spec.store_name
         )
+        self.publisher = BackgroundPublisher(self.store) if self.rank0 else None
         self.pending: dict[str, float] = {}  # figures of consumptions without a step, logged with the next
+        #: start-up marks (names.STARTUP_MARKS), logged with this process's first step, then None
+        self.marks: dict[str, float] | None = {}
         self.writer = self.progress = self.evaluator = self.memory = None
         if self.rank0:
             from asyncrl.telemetry.memory import MemoryProbe
@@ -200,20 +254,7 @@ class Learner:
         self.eval_time = 0.0
         self.t_run0 = self.t_prev = time.perf_counter()
 
-    # -- data and weights ------------------------------------------------------------------------
-    def rollout_batches(self) -> Any:
-        """This rank's blocks of the stream, in order, as numpy batches (empty ones skipped)."""
-        import ray.train
-
-        local = self.cfg.train.batch_size // self.comm.world
-        it = ray.train.get_dataset_shard("train").iter_batches(
-            batch_size=local, prefetch_batches=0, batch_format="numpy"
-        )
-        for batch in it:
-            if len(batch[R.SAMPLE_ID]):
-                batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
-                yield batch
-
+    # -- weights ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Evaluate the starting weights (a fresh run) and publish them: admission opens."""
         if self.rank0:
@@ -223,10 +264,11 @@ class Learner:
         self.t_prev = time.perf_counter()
 
     def publish(self, result: Any, *, consumed: tuple[int, int] | None) -> None:
-        """Rank 0: new weights after a step; ``consumed`` releases the rollout batch in the same call."""
+        """Rank 0: new weights after a step; ``consumed`` releases the rollout batch in the same call.
+        The snapshot is taken now; the put and the store call run in the publisher's thread."""
         self.version = result.version
         if self.rank0 and (result.stepped or consumed is not None):
-            self.store.publish(publishable_state(self.parts.backend.module), self.version, consumed)
+            self.publisher.submit(publishable_state(self.parts.backend.module), self.version, consumed)
 
     @contextlib.contextmanager
     def injected_nan(self, step: int) -> Iterator[None]:
@@ -305,6 +347,9 @@ class Learner:
             return
         metrics.update(self.pending)
         self.pending = {}
+        if self.marks is not None:
+            metrics.update(self.marks, **{N.FIRST_STEP_AT: time.time()})
+            self.marks = None
         now = time.perf_counter()
         dt = now - self.t_prev
         metrics.update(bucket_metrics(rows))
@@ -349,6 +394,8 @@ class Learner:
         import ray.train
         from ray.train import Checkpoint
 
+        if self.rank0:
+            self.publisher.flush()  # the store's books include every publication so far
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint.save(
                 Path(tmp),
@@ -373,6 +420,7 @@ class Learner:
 
     def finish(self, *, aborted: bool = False) -> None:
         if self.rank0:
+            self.publisher.close()
             self.store.close()
             self.progress.close()
             self.writer.close()
@@ -386,9 +434,8 @@ class Learner:
 def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights the PolicyStore ships to engines: compact CPU copies of ``model.state_dict()``.
 
-    Engines live in other processes, maybe on other devices, hence CPU. A copy even on CPU:
-    ZeRO keeps parameters as views of one flat buffer, and pickling a view writes its whole
-    storage (measured on the `small` student: 191 ms vs 13 ms per publish).
+    Engines live in other processes, maybe on other devices, hence CPU. A copy even on CPU: the
+    publisher thread sends it while the next step updates the parameters in place.
     """
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 

@@ -3,6 +3,7 @@
     prompt blocks (in memory, one per learner worker per rollout batch, in stream order)
       -> map_batches(Generate, actor pool)      admitted by the PolicyStore in block order
       -> map_batches(ScoreTeacher | ScoreReward, actor pool)
+         (pipeline.fuse_scoring: one map_batches(GenerateAndScore) does both per block)
       -> Ray Train TorchTrainer (train_loop_per_worker in asyncrl.learner), blocks in the same order
            rank 0 publishes weights after every optimizer step and releases each rollout batch
 
@@ -33,6 +34,8 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,36 @@ def init_ray(cfg: RunConfig) -> bool:
     return True
 
 
+@contextmanager
+def ray_session(cfg: RunConfig) -> Iterator[None]:
+    """One Ray instance for several ``run`` calls (``asyncrl demo``'s two runs): Ray's start and
+    stop are paid once, and later runs find its processes warm. The runs must agree on the Ray
+    settings (``pipeline.ray_address``, ``num_cpus``, ``data_tick_s``): ``cfg``'s are used."""
+    import ray
+
+    apply_env()
+    started = init_ray(cfg)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def process_started_at() -> float | None:
+    """When this process (the command) started, epoch seconds: the origin of ``first_step_s``.
+    Read from Linux's /proc (the process's start tick and the uptime, both since boot); None
+    where there is no /proc."""
+    import os
+
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+
+
 def _to_arrow(block: dict[str, np.ndarray]) -> Any:
     import pyarrow as pa
     from ray.data.extensions import ArrowTensorArray
@@ -123,7 +156,7 @@ def build_dataset(
     ``stream``: the PolicyStore's id of this stream (``begin_stream``)."""
     import ray.data
 
-    from asyncrl.stages import Generate, ScoreReward, ScoreTeacher
+    from asyncrl.stages import Generate, GenerateAndScore, ScoreReward, ScoreTeacher
 
     cfg = plan.cfg
     pc = cfg.pipeline
@@ -133,28 +166,20 @@ def build_dataset(
     ds = ray.data.from_arrow([_to_arrow(b) for b in blocks])
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
-    ds = ds.map_batches(
-        Generate,
-        batch_size=local,
-        compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
-        num_cpus=pc.cpus_per_actor,
-        num_gpus=actor_gpus,
-        resources=dict(pc.generator_resources) or None,
-        fn_constructor_kwargs=dict(
-            engine=pc.engine,
-            student_dir=plan.models.student_dir,
-            sampling=to_dict(cfg.sampling),
-            namespace=namespace,
-            store_name=store_name,
-            seed=cfg.seed,
-            rpc_timeout_s=pc.rpc_timeout_s,
-            admit_timeout_s=pc.no_progress_timeout_s,
-            torch_threads=pc.torch_threads,
-            engine_options=plan.engine_options,
-            max_engine_restarts=pc.max_engine_restarts,
-            stream=stream,
-            faults=faults,
-        ),
+    generate = dict(
+        engine=pc.engine,
+        student_dir=plan.models.student_dir,
+        sampling=to_dict(cfg.sampling),
+        namespace=namespace,
+        store_name=store_name,
+        seed=cfg.seed,
+        rpc_timeout_s=pc.rpc_timeout_s,
+        admit_timeout_s=pc.no_progress_timeout_s,
+        torch_threads=pc.torch_threads,
+        engine_options=plan.engine_options,
+        max_engine_restarts=pc.max_engine_restarts,
+        stream=stream,
+        faults=faults,
     )
     if plan.rl:
         scorer, kwargs = (
@@ -175,6 +200,25 @@ def build_dataset(
                 faults=faults,
             ),
         )
+    if pc.fuse_scoring:  # one actor pool generates and scores each block
+        return ds.map_batches(
+            GenerateAndScore,
+            batch_size=local,
+            compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
+            num_cpus=pc.cpus_per_actor,
+            num_gpus=actor_gpus,
+            resources=dict(pc.generator_resources) or None,
+            fn_constructor_kwargs=dict(generate=generate, scorer=scorer, score=kwargs),
+        )
+    ds = ds.map_batches(
+        Generate,
+        batch_size=local,
+        compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
+        num_cpus=pc.cpus_per_actor,
+        num_gpus=actor_gpus,
+        resources=dict(pc.generator_resources) or None,
+        fn_constructor_kwargs=generate,
+    )
     return ds.map_batches(
         scorer,
         batch_size=local,
@@ -280,6 +324,7 @@ def run(cfg: RunConfig | str | Path) -> RunResult:
     from asyncrl.telemetry.sinks import write_summary
     from asyncrl.telemetry.summary import failed_summary, summarize
 
+    marks = {"run_started_at": time.time(), "process_started_at": process_started_at()}
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
     cfg = resolve_auto(cfg)  # a RunConfig built in code may still say sampling.max_new_tokens=auto
@@ -292,7 +337,9 @@ def run(cfg: RunConfig | str | Path) -> RunResult:
     save_config(cfg, run_dir / "config.yaml")
     _, eval_ex = load_examples(cfg)
 
+    marks["ray_started_at"] = time.time()
     started = init_ray(cfg)
+    marks["ray_ready_at"] = time.time()
     namespace = ray.get_runtime_context().namespace
     store_name = f"asyncrl-store-{uuid.uuid4().hex[:8]}"
     pc = cfg.pipeline
@@ -347,6 +394,7 @@ def run(cfg: RunConfig | str | Path) -> RunResult:
             datasets={"train": StreamFactory(plan, namespace, store_name)},
             dataset_config=data_config,
         )
+        marks["fit_at"] = time.time()
         result = trainer.fit()
         if result.error is not None:
             raise result.error
@@ -368,6 +416,7 @@ def run(cfg: RunConfig | str | Path) -> RunResult:
         wall_s=time.perf_counter() - t0,
         store_stats=store_stats,
         status=N.STATUS_ABORTED if aborted else N.STATUS_COMPLETED,
+        marks=marks,
     )
     if aborted:
         summary["error"] = aborted

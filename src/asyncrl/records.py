@@ -267,3 +267,14 @@ def trim_to_longest(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if k in out and len(col.dims) >= 2 and col.dims[1] == "T":
             out[k] = out[k][:, :t_eff]
     return out
+
+
+def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Tensor:
+    """Right-pad dim 1 of ``x`` to ``length`` with ``value``: the inverse of ``trim_to_longest``
+    (rollout and cache columns are padded to ``max_new_tokens`` so Ray Data blocks have fixed shapes)."""
+    missing = length - x.shape[1]
+    if missing <= 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[1] = missing
+    return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype, device=x.device)], dim=1)

@@ -4,14 +4,15 @@
 - ``ScoreTeacher``: ``map_batches(ScoreTeacher, actor pool)``, the OPD scoring stage.
 - ``ScoreReward``: the RL scoring stage (task reward), also used by ``ScoreTeacher`` for
   accuracy telemetry.
+- ``GenerateAndScore``: both in one actor (``pipeline.fuse_scoring``).
 
 Generation:
 
 Each call turns one block of prompt rows (one learner step's worth of samples for one
 learner worker) into rollouts. Before generating it asks the PolicyStore for admission
-(the staleness budget), reloads weights if the version moved, and tags every token with
-the version that produced it. Sampling seeds derive from ``(seed, first sample_id)`` so a
-batch is reproducible regardless of which actor runs it or when.
+(the staleness budget) and, in the same call, for the weights to use if the version moved,
+and it tags every token with the version that produced it. Sampling seeds derive from
+``(seed, first sample_id)`` so a batch is reproducible regardless of which actor runs it or when.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from asyncrl.coordinator import PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
 from asyncrl.faults import NO_FAULTS, Faults
+from asyncrl.records import pad_to
 from asyncrl.registry import RegistryError
 
 
@@ -44,16 +46,6 @@ def node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-
-
-def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Tensor:
-    """Right-pad dim 1 of ``x`` to ``length`` so every block has the same T (fixed-shape tensor columns)."""
-    missing = length - x.shape[1]
-    if missing <= 0:
-        return x
-    pad_shape = list(x.shape)
-    pad_shape[1] = missing
-    return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype, device=x.device)], dim=1)
 
 
 def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -124,15 +116,11 @@ class Generate:
         )
         _exit_process(1)
 
-    def _sync_weights(self, pinned: int | None) -> None:
-        """Load the weights a controller pinned for this block, or the latest if newer than ours."""
-        if pinned is not None:
-            if pinned != self.have_version:
-                self.engine.load_weights(self.store.weights_at(pinned), pinned)
-                self.have_version = pinned
-            return
-        version, state = self.store.latest(self.have_version)
-        if state is not None:
+    def _sync_weights(self, admitted: dict[str, Any]) -> None:
+        """Load the weights the admission came with (a controller's pinned version, or the latest
+        if newer than ours; None when we hold them)."""
+        if admitted["weights"] is not None:
+            version, state = admitted["weights"]
             self.engine.load_weights(state, version)
             self.have_version = version
 
@@ -142,7 +130,9 @@ class Generate:
         # blocks are admitted in stream order by index; a retry of this block (the actor died and
         # Ray Data re-ran it on a restarted actor) gets its admission back instead of new budget
         block = int(np.asarray(batch[R.BLOCK_INDEX])[0])
-        admitted = self.store.acquire(n, block, timeout_s=self.admit_timeout_s, stream=self.stream)
+        admitted = self.store.acquire(
+            n, block, timeout_s=self.admit_timeout_s, stream=self.stream, have=self.have_version
+        )
         if admitted is None:  # the run finished (or its stream was replaced) while we waited
             return {k: v[:0] for k, v in batch.items()}
         self.admissions += 1
@@ -150,7 +140,7 @@ class Generate:
         self.faults.delay(self.seed, block)
         t_start = time.perf_counter()
         try:
-            self._sync_weights(admitted["behavior_version"])
+            self._sync_weights(admitted)
             out = self.engine.generate(
                 torch.from_numpy(np.asarray(batch[R.PROMPT_IDS])),
                 torch.from_numpy(np.asarray(batch[R.PROMPT_MASK])).bool(),
@@ -264,3 +254,21 @@ class ScoreTeacher:
         out["score_time_s"] = np.full(len(out[R.REWARD]), time.perf_counter() - t0, dtype=np.float64)
         out["score_done_at"] = np.full(len(out[R.REWARD]), time.time(), dtype=np.float64)
         return out
+
+
+class GenerateAndScore:
+    """Generation and scoring in one actor (``pipeline.fuse_scoring``): a block is generated and
+    scored in one Ray Data task, one stage hand-off fewer per block (its Arrow conversion, object
+    store round trip and executor wake-up), and one process fewer to schedule. On a small machine
+    this is the natural split: rollout and scoring share one core, the learner has the other.
+    The price is that a block's scoring no longer overlaps the next block's generation.
+
+    ``scorer`` is ``ScoreTeacher`` or ``ScoreReward``; the keyword dicts are their constructors'.
+    """
+
+    def __init__(self, *, generate: dict[str, Any], scorer: type, score: dict[str, Any]) -> None:
+        self.generate = Generate(**generate)
+        self.score = scorer(**score)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.score(self.generate(batch))

@@ -55,6 +55,23 @@ LEARNER_IDLE_FRAC = "throughput/learner_idle_frac"
 TEACHER_MASS = "est/teacher_mass"
 #: greedy exact-match accuracy; present only on eval steps
 EVAL_ACCURACY = "eval/accuracy"
+#: start-up marks (wall clock, epoch seconds), logged with the learner process's first step: its
+#: training loop began, it published its first weights (admission opened), its first rollout
+#: batch arrived, its first optimizer step was done
+LEARNER_START_AT = "time/learner_start_at"
+LEARNER_READY_AT = "time/learner_ready_at"
+FIRST_BATCH_AT = "time/first_batch_at"
+FIRST_STEP_AT = "time/first_step_at"
+STARTUP_MARKS = (LEARNER_START_AT, LEARNER_READY_AT, FIRST_BATCH_AT, FIRST_STEP_AT)
+#: summary.json: where a run's start-up went (``telemetry.summary.startup``), in order
+STARTUP_PARTS = (
+    "startup_driver_s",
+    "startup_train_workers_s",
+    "startup_learner_init_s",
+    "startup_first_batch_s",
+    "startup_first_step_s",
+    "startup_ray_init_s",
+)
 
 BUCKET_PREFIX = "bucket/"
 
@@ -127,6 +144,9 @@ SUMMARY_KEYS = (
     "driver_resumes",
     "generation_retries",
     "engine_restarts",
+    "startup_s",
+    "first_step_s",
+    *STARTUP_PARTS,
     "run_dir",
 )
 #: summary ``status``: the run reached train.steps / stopped with an error / was stopped by the
@@ -146,12 +166,16 @@ __all__ = [
     "ESS_LR_RHO",
     "ESS_RHO",
     "EVAL_ACCURACY",
+    "FIRST_BATCH_AT",
+    "FIRST_STEP_AT",
     "GAC_COS_PREV",
     "GRAD_NORM",
     "KL_BEHAVIOR_CURRENT",
     "LAG_MAX",
     "LAG_MEAN",
     "LEARNER_IDLE_FRAC",
+    "LEARNER_READY_AT",
+    "LEARNER_START_AT",
     "LOSS",
     "LR_APPLIED",
     "LR_SCHEDULED",
@@ -163,6 +187,8 @@ __all__ = [
     "SAMPLES_PARTS_DIR",
     "SAMPLES_PER_S",
     "SAMPLE_COLUMNS",
+    "STARTUP_MARKS",
+    "STARTUP_PARTS",
     "STATUS_ABORTED",
     "STATUS_COMPLETED",
     "STATUS_FAILED",

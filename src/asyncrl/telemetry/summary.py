@@ -48,8 +48,11 @@ def summarize(
     wall_s: float,
     store_stats: dict[str, Any],
     status: str = N.STATUS_COMPLETED,
+    marks: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS``), the sample ledger among them."""
+    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS``), the sample ledger among them.
+
+    ``marks``: the driver's wall-clock marks (epoch s) for the start-up figures (``startup``)."""
     metrics = read_metrics(run_dir)
     samples = read_samples(run_dir)
     evals = [m[N.EVAL_ACCURACY] for m in metrics if N.EVAL_ACCURACY in m]
@@ -77,6 +80,7 @@ def summarize(
         # blocks re-run after their generator died (they kept their admission: no budget leaked)
         "generation_retries": store_stats.get("budget/retries", 0),
         "engine_restarts": store_stats.get("engine_deaths", 0),
+        **startup(metrics, marks or {}),
         "run_dir": str(run_dir),
     }
 
@@ -128,6 +132,39 @@ def failed_summary(run_dir: str | Path, error: BaseException, *, wall_s: float) 
         "wall_time_s": wall_s,
         "run_dir": str(run_dir),
     }
+
+
+def startup(metrics: list[dict[str, Any]], marks: dict[str, float]) -> dict[str, float | None]:
+    """The fixed cost before training: ``startup_s`` from the start of ``asyncrl.run`` to the first
+    optimizer step, ``first_step_s`` from the start of the command (its process), and where the
+    time went (``names.STARTUP_PARTS``: the driver's part (config, plan, prompts, Ray's start),
+    of which ``startup_ray_init_s``; the Train controller and worker processes; the learner's
+    model, optimizer, first eval and first publish; the stage actors' start and the first
+    rollouts; the first step). Uses the learner's marks logged with its first step in this
+    process (``names.STARTUP_MARKS``) and the driver's ``marks``: ``process_started_at``,
+    ``run_started_at``, ``ray_started_at``, ``ray_ready_at`` and ``fit_at`` (epoch seconds)."""
+    out: dict[str, float | None] = dict.fromkeys(("startup_s", "first_step_s", *N.STARTUP_PARTS))
+    learner = next((m for m in reversed(metrics) if N.FIRST_STEP_AT in m), None)
+    if learner is None or "run_started_at" not in marks:
+        return out
+    first_step = learner[N.FIRST_STEP_AT]
+    points = [
+        marks["run_started_at"],
+        marks.get("fit_at"),
+        learner.get(N.LEARNER_START_AT),
+        learner.get(N.LEARNER_READY_AT),
+        learner.get(N.FIRST_BATCH_AT),
+        first_step,
+    ]
+    parts = [p for p in N.STARTUP_PARTS if p != "startup_ray_init_s"]
+    for name, begin, end in zip(parts, points[:-1], points[1:]):
+        out[name] = end - begin if begin is not None and end is not None else None
+    if marks.get("ray_ready_at") is not None and marks.get("ray_started_at") is not None:
+        out["startup_ray_init_s"] = marks["ray_ready_at"] - marks["ray_started_at"]
+    process = marks.get("process_started_at")
+    out["startup_s"] = first_step - marks["run_started_at"]
+    out["first_step_s"] = first_step - process if process is not None else None
+    return out
 
 
 def _mean_reward(kept: Any, *, first: bool) -> float | None:
