@@ -56,8 +56,10 @@ metrics.jsonl, i.e. when its weights were published).
   first step       = t_1 - launch
   exact match      = ``asyncrl.workloads.evaluate.exact_match`` (greedy) of the final student on
                      the task's first ``--eval-size`` eval prompts, identical for every system.
-Rounds are interleaved (every system once per round, the order rotated each round); the table
-shows medians over rounds. The core-limit rows (``--cores``, default: this machine's, 2 here) come
+For pipeline systems the JSON and the notes under the table also split a step as the run's own
+telemetry records it (``step_breakdown``: learner wait / compute / publish, generation, scoring,
+hand-offs). Rounds are interleaved (every system once per round, the order rotated each round);
+the table shows medians over rounds. The core-limit rows (``--cores``, default: this machine's, 2 here) come
 from ``stage_times.py`` (stages alone in one process, one thread each) for the two caches the
 systems use: the throughput perfect overlap could reach. TRL's own ``train_samples_per_second``
 and the pipeline summary's ``samples_per_s`` are kept in the JSON as cross-checks.
@@ -296,6 +298,7 @@ def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
     s = res.summary
     return {
+        "breakdown": step_breakdown(steps, samples, spec["skip"]),
         "step_ends": step_ends,
         "kept": [r.get("samples/kept", cfg.train.batch_size) for r in steps],
         "exact_match": final_exact_match(model, tok, spec),
@@ -304,6 +307,31 @@ def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         "lag_max": s.get("lag_max"),
         "samples_dropped": s.get("samples_dropped"),
     }
+
+
+def step_breakdown(steps: list[dict[str, Any]], samples: Any, skip: int) -> dict[str, float]:
+    """Where a pipeline step goes, median ms over steps after ``skip``, from the run's own telemetry.
+
+    Learner: ``step = data_wait + compute + publish``. Per batch: generation and scoring time in
+    their actors, the generator's wait for admission, and the two hand-offs (generator -> scorer:
+    ``score_done - gen_done - score_time``; scorer -> learner: ``consumed - score_done``).
+    """
+    rows = [r for r in steps if r["step"] > skip]
+    out = {
+        key: 1e3 * statistics.median(r[f"time/{key}_s"] for r in rows)
+        for key in ("step", "data_wait", "compute", "publish")
+    }
+    b = samples[samples["step"] > skip].groupby("step").first()
+    cols = {"gen_time_s", "gen_wait_s", "score_time_s", "gen_done_at", "score_done_at", "consumed_at"}
+    if cols <= set(b.columns):
+        out.update(
+            generate=1e3 * b["gen_time_s"].median(),
+            admission_wait=1e3 * b["gen_wait_s"].median(),
+            score=1e3 * b["score_time_s"].median(),
+            handoff_gen_to_score=1e3 * (b["score_done_at"] - b["gen_done_at"] - b["score_time_s"]).median(),
+            handoff_score_to_learner=1e3 * (b["consumed_at"] - b["score_done_at"]).median(),
+        )
+    return out
 
 
 def child_stages(spec: dict[str, Any]) -> dict[str, Any]:
@@ -404,6 +432,20 @@ def markdown(report: dict[str, Any]) -> str:
     st = report["stages"]
     stage_ms = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in st["limits"]["dense"]["stage_s"].items())
     p = st["parity"]
+    for name, rows in report["rounds"].items():
+        if "breakdown" in rows[0]:
+            b = {k: statistics.median(r["breakdown"][k] for r in rows) for k in rows[0]["breakdown"]}
+            lines.append(
+                f"\n{name} step (median ms): {b['step']:.0f} = data wait {b['data_wait']:.0f} + compute "
+                f"{b['compute']:.0f} + publish {b['publish']:.0f}"
+                + (
+                    f"; per batch: generate {b['generate']:.0f}, score {b['score']:.0f}, hand-offs "
+                    f"{b['handoff_gen_to_score']:.0f} + {b['handoff_score_to_learner']:.0f}, generator "
+                    f"admission wait {b['admission_wait']:.0f}."
+                    if "generate" in b
+                    else "."
+                )
+            )
     lines += [
         "",
         f"Initial exact match (the pretrained student): {st['initial_exact_match']:.3f}. "
