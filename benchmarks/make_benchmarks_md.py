@@ -100,11 +100,8 @@ def machine() -> str:
 
     cpu, mem = platform.processor() or "unknown CPU", ""
     if Path("/proc/cpuinfo").exists():
-        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()]
-        models = [
-            n for ln, n in zip(Path("/proc/cpuinfo").read_text().splitlines(), names) if "model name" in ln
-        ]
-        cpu = models[0] if models else cpu
+        models = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+        cpu = models[0].split(":", 1)[1].strip() if models else cpu
     if Path("/proc/meminfo").exists():
         kb = int(Path("/proc/meminfo").read_text().split()[1])
         mem = f", {kb / 2**20:.0f} GiB RAM"
