@@ -522,6 +522,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "lag_max",
                     "threads",
                     "checkpointing",
+                    "breakdown",
                 )
                 fig.update({k: res[k] for k in extra if k in res})
                 per_round[system].append(fig)
