@@ -11,10 +11,11 @@ Regimes: ``short`` = addition, 6 new tokens (3 digits + EOS, with slack); ``long
 Systems, all on the workload's pretrained pair from the asyncrl cache (``<cache>/<task>-<preset>-s0``,
 loaded with ``local_files_only``), the same prompt stream (the pipeline's seeded blocks, in order),
 batch B, T new tokens, temperature 1 from the untruncated softmax, AdamW lr 3e-4, weight decay 0,
-linear warmup over 10 steps then constant (lr * min(1, (k + 1) / 10) at step k, asyncrl's law),
-grad-norm clip 1, seed 0, ``--steps`` optimizer steps:
+linear warmup over 10 steps then constant (lr * min(1, (k + 1) / 10) at step k: asyncrl's
+``scheduled_lr``, also given to TRL), grad-norm clip 1, seed 0, ``--steps`` optimizer steps:
 
-  trl          TRL DistillationTrainer, torch's default threads (2 on this 2-core machine)
+  trl          TRL DistillationTrainer, torch's default threads (2 on this 2-core machine; the table
+               shows the count measured)
   trl_1t       the same with torch.set_num_threads(1)
   plain        asyncrl's parts in one process, one thread, dense forward KL
                (the plain loop of benchmarks/async_vs_sync.py, imported)
@@ -95,7 +96,7 @@ REGIMES = {
 DENSE = ["estimator.options.dense=true"]
 #: name -> (label, kind, run-config overrides, torch threads or None for torch's default)
 SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
-    "trl": ("TRL DistillationTrainer, 2 torch threads (its default)", "trl", DENSE, None),
+    "trl": ("TRL DistillationTrainer, torch's default threads", "trl", DENSE, None),
     "trl_1t": ("TRL DistillationTrainer, 1 thread", "trl", DENSE, 1),
     "plain": ("asyncrl plain single-process loop, dense forward KL", "plain", DENSE, 1),
     "lag0_dense": ("asyncrl `max_lag=0`, dense forward KL", "pipeline", ["pipeline.max_lag=0", *DENSE], 1),
@@ -183,6 +184,8 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
 
+    from asyncrl.backends.base import scheduled_lr
+
     cfg = run_config(spec, overrides)
     teacher_dir, student_dir = pair_dirs(spec)
     tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
@@ -197,9 +200,10 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
 
     class Trainer(DistillationTrainer):
         def create_scheduler(self, num_training_steps, optimizer=None):
-            if self.lr_scheduler is None:
-                warm = max(tc.warmup_steps, 1)
-                self.lr_scheduler = LambdaLR(optimizer or self.optimizer, lambda k: min(1.0, (k + 1) / warm))
+            if self.lr_scheduler is None:  # asyncrl's law, as a multiplier of the peak lr
+                self.lr_scheduler = LambdaLR(
+                    optimizer or self.optimizer, lambda k: scheduled_lr(tc, k) / tc.lr
+                )
             return self.lr_scheduler
 
     args = DistillationConfig(
@@ -415,8 +419,11 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, row in m.items():
+        label, threads = SYSTEMS[name][0], report["rounds"][name][0].get("threads")
+        if SYSTEMS[name][3] is None and threads is not None:
+            label += f" ({threads})"
         lines.append(
-            f"| {SYSTEMS[name][0]} | {row['steady_samples_per_s']:.1f} "
+            f"| {label} | {row['steady_samples_per_s']:.1f} "
             f"| {row['steady_samples_per_s'] / ref['steady_samples_per_s']:.2f} | {row['wall_s']:.1f} s "
             f"| {row['wall_s'] / ref['wall_s']:.2f} | {row['first_step_s']:.1f} s "
             f"| {row['exact_match']:.3f} |"
