@@ -201,16 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     ]
     old = kept_sections(Path(args.out), {b.title for b in benches}) if args.only else {}
     ok = True
-    for b in BENCHES:
+    todo = [b for b in BENCHES if b in benches or b.title in old]
+    for i, b in enumerate(todo):
         if b in benches:
             section, good = run_bench(b, args, work)
             ok &= good
-        elif b.title in old:
-            section = old[b.title]
         else:
-            continue
+            section = old[b.title]
         parts.append(section)
-    Path(args.out).write_text("\n".join(parts))
+        left = len(todo) - i - 1  # written after every section: a long regeneration keeps its progress
+        more = [f"_Regeneration in progress: {left} more section(s) to come._\n"] if left else []
+        Path(args.out).write_text("\n".join(parts + more))
     print(f"[benchmarks] wrote {args.out}; logs in {work}", flush=True)
     return 0 if ok else 1
 
