@@ -77,6 +77,17 @@ def _to_arrow(block: dict[str, np.ndarray]) -> Any:
     return pa.table(cols)
 
 
+def dense_reference(cfg: RunConfig) -> dict[str, int] | None:
+    """Which blocks the scoring stage adds the teacher's full logits to (the gradient probe's)."""
+    if cfg.telemetry.grad_reference != "dense":
+        return None
+    return {
+        "every": cfg.telemetry.grad_every,
+        "workers": cfg.pipeline.learner_workers,
+        "minibatches": cfg.train.minibatches,
+    }
+
+
 def build_dataset(plan: RunPlan, blocks: list[dict[str, np.ndarray]], namespace: str, store_name: str) -> Any:
     """The Ray Data graph: prompt blocks -> generation -> teacher (or reward) scoring, in order."""
     import ray.data
@@ -128,6 +139,7 @@ def build_dataset(plan: RunPlan, blocks: list[dict[str, np.ndarray]], namespace:
                 seed=cfg.seed,
                 torch_threads=pc.torch_threads,
                 device=pc.device,
+                dense_reference=dense_reference(cfg),
             ),
         )
     return ds.map_batches(

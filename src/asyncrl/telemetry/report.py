@@ -328,11 +328,30 @@ _PANELS = (
     ),
     _Panel(
         "Gradient norm and alignment",
-        "Global gradient norm before clipping, and the cosine to the previous step's gradient (GAC).",
-        f"{names.GRAD_NORM}, {names.GAC_COS_PREV}",
+        "Global gradient norm before clipping; the cosine to the previous step's gradient as the GAC "
+        "controller sees it, and of the applied gradients (telemetry.grad_cos_prev).",
+        f"{names.GRAD_NORM}, {names.GAC_COS_PREV}, {names.GRAD_COS_PREV}",
         lambda runs: _line_panel(
             runs,
-            [(names.GRAD_NORM, names.STEP, "grad norm"), (names.GAC_COS_PREV, names.STEP, "cos(g_t, g_t-1)")],
+            [
+                (names.GRAD_NORM, names.STEP, "grad norm"),
+                (names.GAC_COS_PREV, names.STEP, "GAC cos(g_t, g_t-1)"),
+                (names.GRAD_COS_PREV, names.STEP, "applied cos(g_t, g_t-1)"),
+            ],
+        ),
+    ),
+    _Panel(
+        "Gradient against the exact dense KL",
+        "telemetry.grad_reference=dense: cosine of the estimator's gradient to the exact KL gradient on "
+        "the same batch, and its squared bias and noise variance relative to |g|^2 (split halves).",
+        f"{names.GRADREF_COS}, {names.GRADREF_BIAS_SQ_REL}, {names.GRADREF_NOISE_REL}",
+        lambda runs: _line_panel(
+            runs,
+            [
+                (names.GRADREF_COS, names.STEP, "cos(estimator, dense)"),
+                (names.GRADREF_BIAS_SQ_REL, names.STEP, "bias^2 / |g|^2"),
+                (names.GRADREF_NOISE_REL, names.STEP, "noise variance / |g|^2"),
+            ],
         ),
     ),
     _Panel(
