@@ -261,3 +261,17 @@ def test_broken_image_is_detected_by_the_page_check(tmp_path: Path, two_runs: li
             timeout=120,
         )
     assert 'data-images-ok="false"' in proc.stdout
+
+
+def test_accuracy_plots_mark_the_teacher(two_runs: list[Path]) -> None:
+    from asyncrl.telemetry.report import _PANELS, load_runs
+
+    records = load_runs(two_runs)
+    for r in records:
+        r.summary = {**(r.summary or {}), "teacher_accuracy": 0.97}
+    panel = next(p for p in _PANELS if p.title == "Loss and accuracy")
+    fig = panel.render(records)
+    acc_axes = [ax for ax in fig.axes if ax.get_ylabel() == "eval accuracy"]
+    assert len(acc_axes) == 2
+    for ax in acc_axes:
+        assert any(list(line.get_ydata()) == [0.97, 0.97] for line in ax.lines)

@@ -287,6 +287,19 @@ def _panel_kl_buckets(runs: Sequence[RunRecords]) -> Figure | None:
     return fig
 
 
+def _with_teacher(runs: Sequence[RunRecords], fig: Figure | None) -> Figure | None:
+    """A dotted line at the teacher's accuracy (from the runs' summaries) on the accuracy subplots."""
+    teacher = [r.summary.get("teacher_accuracy") for r in runs if r.summary]
+    teacher = [t for t in teacher if isinstance(t, int | float)]
+    if fig is None or not teacher:
+        return fig
+    for ax in fig.axes:
+        if ax.get_ylabel() == "eval accuracy" and ax.lines:
+            ax.axhline(max(teacher), color="0.3", ls=":", lw=1.2, label="teacher")
+            ax.legend(fontsize=7)
+    return fig
+
+
 @dataclass(frozen=True)
 class _Panel:
     title: str
@@ -356,16 +369,20 @@ _PANELS = (
     ),
     _Panel(
         "Loss and accuracy",
-        "Against optimizer steps and against wall time: asynchrony pays off only if it wins on wall time.",
+        "Against optimizer steps and against wall time: asynchrony pays off only if it wins on wall time. "
+        "The dotted line is the teacher's accuracy (OPD), the level the student can approach.",
         f"{names.LOSS}, {names.EVAL_ACCURACY}",
-        lambda runs: _line_panel(
+        lambda runs: _with_teacher(
             runs,
-            [
-                (names.LOSS, names.STEP, "loss"),
-                (names.LOSS, names.TIME_S, "loss"),
-                (names.EVAL_ACCURACY, names.STEP, "eval accuracy"),
-                (names.EVAL_ACCURACY, names.TIME_S, "eval accuracy"),
-            ],
+            _line_panel(
+                runs,
+                [
+                    (names.LOSS, names.STEP, "loss"),
+                    (names.LOSS, names.TIME_S, "loss"),
+                    (names.EVAL_ACCURACY, names.STEP, "eval accuracy"),
+                    (names.EVAL_ACCURACY, names.TIME_S, "eval accuracy"),
+                ],
+            ),
         ),
     ),
     _Panel(
