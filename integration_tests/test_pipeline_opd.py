@@ -131,8 +131,14 @@ def test_minibatches_count_versions_and_keep_sync_parity(ray_local, tiny_pair, t
 
 @pytest.mark.parametrize("max_lag", [0, 2])
 def test_opd_respects_bound_and_learns(ray_local, small_pair, tmp_path, max_lag):
-    """The demo config (small preset, forward KL on the teacher top-16, 60 steps)."""
-    cfg = tiny_config(tmp_path / f"lag{max_lag}", f"pipeline.max_lag={max_lag}", config="opd_async.yaml")
+    """The demo config (small preset, forward KL on the teacher top-16), 60 steps."""
+    cfg = tiny_config(
+        tmp_path / f"lag{max_lag}",
+        f"pipeline.max_lag={max_lag}",
+        "train.steps=60",
+        "train.eval_every=20",
+        config="opd_async.yaml",
+    )
     result = run(cfg)
     samples = read_samples(result.run_dir)
     kept = samples[samples["kept"]]

@@ -187,6 +187,19 @@ class PipelineConfig:
 class TelemetryConfig:
     progress: bool = field(True, help="live progress bar; false for CI and logs")
     tensorboard: bool = field(True, help="write TensorBoard event files to RUN/tb")
+    grad_reference: Literal["none", "dense"] = field(
+        "none",
+        help="dense: every grad_every steps, compare the estimator's gradient with the exact dense-KL "
+        "gradient on the same batch (gradref/* metrics; OPD, small vocabularies: the scoring stage ships "
+        "the teacher's full logits for those batches)",
+    )
+    grad_every: int = field(10, help="steps between gradient diagnostics (telemetry.grad_reference)")
+    grad_cos_prev: bool = field(
+        False, help="log grad/cos_prev, the cosine between consecutive applied gradients (keeps one copy)"
+    )
+
+    def __post_init__(self) -> None:
+        check(self.grad_every >= 1, "grad_every", self.grad_every, "use an integer >= 1")
 
 
 @dataclass(frozen=True)

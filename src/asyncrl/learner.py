@@ -49,6 +49,7 @@ from asyncrl.estimators import build as build_estimator
 from asyncrl.faults import NO_FAULTS, Faults
 from asyncrl.step import StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry import names as N
+from asyncrl.telemetry.gradients import GradientProbe, GradientTrace
 from asyncrl.telemetry.steps import bucket_metrics, sample_rows, step_metrics
 
 T = TypeVar("T")
@@ -95,14 +96,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         consumed = [0, 0]  # (trained, dropped): a non-finite step trains none of its samples
         for i, (mb, mb_keep) in enumerate(split_minibatches(batch, keep, n_mb)):
             version = w.version
+            extra = w.probe_gradients(mb, mb_keep, version) if i == 0 else {}
             with w.injected_nan(version + 1):
                 result = loss_step(mb, w.parts, version, keep=mb_keep)
+            extra |= w.trace_gradients(result)
             trained = 0 if result.nonfinite else result.n_kept
             consumed[0] += trained
             consumed[1] += result.n_dropped + result.n_kept - trained
             t_computed = time.perf_counter()
             w.publish(result, consumed=tuple(consumed) if i == n_mb - 1 else None)
-            w.log(mb, result, version, t_got=t_got, t_computed=t_computed)
+            w.log(mb, result, version, t_got=t_got, t_computed=t_computed, extra=extra)
             w.numerics(result)
             if w.rank0 and result.stepped:
                 spec.faults.exit_if("learner_exit", w.version)
@@ -213,6 +216,14 @@ class Learner:
             ),
             comm=self.comm,
         )
+        tel = cfg.telemetry
+        # gradient telemetry (rank 0; gradients are all-reduced): asyncrl.telemetry.gradients
+        self.probe = (
+            GradientProbe(backend.module, self.parts.estimator, cfg.sampling.temperature)
+            if tel.grad_reference == "dense" and self.rank0
+            else None
+        )
+        self.trace = GradientTrace() if tel.grad_cos_prev and self.rank0 else None
         self.version = 0
         self.counters = {"trained": 0, "dropped": 0}
         self.ledger: list[np.ndarray] = []
@@ -234,6 +245,7 @@ class Learner:
         self.pending: dict[str, float] = {}  # figures of consumptions without a step, logged with the next
         #: start-up marks (names.STARTUP_MARKS), logged with this process's first step, then None
         self.marks: dict[str, float] | None = {}
+        self.pending_extra: dict[str, float] = {}  # gradient figures of a batch that took no step
         self.writer = self.progress = self.evaluator = self.memory = None
         if self.rank0:
             from asyncrl.telemetry.memory import MemoryProbe
@@ -328,8 +340,33 @@ class Learner:
         self.ledger.append(self.comm.all_cat(torch.from_numpy(batch[R.SAMPLE_ID])).numpy())
 
     # -- telemetry ---------------------------------------------------------------------------------
+    def probe_gradients(
+        self, batch: dict[str, np.ndarray], keep: np.ndarray, version: int
+    ) -> dict[str, float]:
+        """Rank 0, before the step: the dense-reference gradient diagnostics of a rollout batch that
+        carries the teacher's full logits (the scoring stage adds them every ``grad_every`` steps)."""
+        if self.probe is None or R.TEACHER_LOGITS not in batch:
+            return {}
+        t0 = time.perf_counter()
+        out = self.probe(batch, keep=keep, lags=sample_info(batch).lag(version))
+        out["time/grad_probe_s"] = time.perf_counter() - t0
+        return out
+
+    def trace_gradients(self, result: Any) -> dict[str, float]:
+        """Rank 0, after a step: ``grad/cos_prev`` of the gradients the optimizer applied."""
+        if self.trace is None or not result.stepped:
+            return {}
+        return self.trace(self.parts.backend.gradients())
+
     def log(
-        self, batch: dict[str, np.ndarray], result: Any, version: int, *, t_got: float, t_computed: float
+        self,
+        batch: dict[str, np.ndarray],
+        result: Any,
+        version: int,
+        *,
+        t_got: float,
+        t_computed: float,
+        extra: dict[str, float] | None = None,
     ) -> None:
         """One record per optimizer step in metrics.jsonl, one row per sample in samples.parquet.
 
@@ -343,10 +380,12 @@ class Learner:
             if key in metrics:
                 self.pending[key] = self.pending.get(key, 0.0) + metrics.pop(key)
         self.writer.log_samples(rows)
+        self.pending_extra.update(extra or {})
         if not result.stepped:
             return
         metrics.update(self.pending)
-        self.pending = {}
+        metrics.update(self.pending_extra)
+        self.pending, self.pending_extra = {}, {}
         if self.marks is not None:
             metrics.update(self.marks, **{N.FIRST_STEP_AT: time.time()})
             self.marks = None

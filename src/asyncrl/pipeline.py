@@ -127,6 +127,17 @@ def _to_arrow(block: dict[str, np.ndarray]) -> Any:
     return pa.table(cols)
 
 
+def dense_reference(cfg: RunConfig) -> dict[str, int] | None:
+    """Which blocks the scoring stage adds the teacher's full logits to (the gradient probe's)."""
+    if cfg.telemetry.grad_reference != "dense":
+        return None
+    return {
+        "every": cfg.telemetry.grad_every,
+        "workers": cfg.pipeline.learner_workers,
+        "minibatches": cfg.train.minibatches,
+    }
+
+
 def configure_data_context(cfg: RunConfig) -> None:
     """This process's Ray Data context: in-order consumption (the ordering rule), the stall timeout,
     no progress bars. Ray Train hands the driver's context to its workers."""
@@ -198,6 +209,7 @@ def build_dataset(
                 torch_threads=pc.torch_threads,
                 device=pc.device,
                 faults=faults,
+                dense_reference=dense_reference(cfg),
             ),
         )
     if pc.fuse_scoring:  # one actor pool generates and scores each block

@@ -174,6 +174,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
         )
     chain = build_chain(controller_specs(cfg))
     check_composition(estimator, chain)  # estimator x controller pairings with no documented gradient
+    check_gradient_telemetry(cfg, estimator, student_dir)
     if pc.backend == "deepspeed":
         import importlib.util
 
@@ -188,6 +189,38 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
                 "partitions them): use pipeline.backend=ddp"
             )
     return estimator, kind, opts
+
+
+def check_gradient_telemetry(cfg: RunConfig, estimator: Any, student_dir: str | None) -> None:
+    """``telemetry.grad_reference=dense`` needs a KL estimator (its direction is the reference), a
+    teacher, and a vocabulary small enough to ship the teacher's full logits (4·V bytes per token);
+    both gradient telemetries read full gradients, which ZeRO partitions."""
+    from asyncrl.telemetry.gradients import MAX_VOCAB, estimand
+
+    tel = cfg.telemetry
+    if cfg.pipeline.backend == "deepspeed" and (tel.grad_reference != "none" or tel.grad_cos_prev):
+        raise ValueError(
+            "telemetry.grad_reference and telemetry.grad_cos_prev read full gradients; they are not "
+            "supported with pipeline.backend=deepspeed (ZeRO partitions gradients): turn them off or use ddp"
+        )
+    if tel.grad_reference != "dense":
+        return
+    if estimator.cache_kind is None:
+        raise ValueError(
+            f"telemetry.grad_reference=dense compares with the exact KL to a teacher, but estimator "
+            f"{cfg.estimator.name!r} learns from rewards (no teacher): set telemetry.grad_reference=none"
+        )
+    estimand(estimator)  # raises for an estimator with no KL direction
+    if student_dir:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(student_dir, local_files_only=True).get_text_config().vocab_size
+        if vocab > MAX_VOCAB:
+            raise ValueError(
+                f"telemetry.grad_reference=dense ships the teacher's full logits (4 x V bytes per token) and "
+                f"is for small vocabularies (V <= {MAX_VOCAB}); this student's vocabulary has V={vocab}: "
+                f"set telemetry.grad_reference=none"
+            )
 
 
 def generator_engine_options(cfg: RunConfig) -> dict[str, Any]:

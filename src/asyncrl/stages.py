@@ -225,6 +225,7 @@ class ScoreTeacher:
         torch_threads: int = 1,
         device: str = "cpu",
         faults: Faults = NO_FAULTS,
+        dense_reference: dict[str, int] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -236,17 +237,23 @@ class ScoreTeacher:
         self.seed = seed
         self.faults = faults
         self.blocks = 0
+        #: telemetry.grad_reference=dense: {every, workers, minibatches} of dense_reference_due
+        self.dense_reference = dense_reference
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from asyncrl.telemetry.gradients import WithDenseLogits, dense_reference_due
+
         if len(batch[R.SAMPLE_ID]) == 0:
             return batch
         self.blocks += 1
         self.faults.exit_if("scorer_exit", self.blocks)
         t0 = time.perf_counter()
         tensors = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
-        scores = score_teacher(
-            self.model, tensors, self.cache, seed=batch_seed(self.seed + 1, batch[R.SAMPLE_ID])
-        )
+        cache = self.cache
+        block = int(np.asarray(batch[R.BLOCK_INDEX])[0])
+        if self.dense_reference and dense_reference_due(block, **self.dense_reference):
+            cache = WithDenseLogits(cache)  # the gradient probe's block: the full logits too
+        scores = score_teacher(self.model, tensors, cache, seed=batch_seed(self.seed + 1, batch[R.SAMPLE_ID]))
         out = dict(batch)
         out.update(R.to_numpy(scores))
         out[R.REWARD] = self.reward.rewards(batch)

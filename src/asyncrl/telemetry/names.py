@@ -41,6 +41,18 @@ KL_BEHAVIOR_CURRENT = "kl/behavior_current"
 GRAD_NORM = "grad/norm"
 #: cosine between this step's gradient and the previous step's (GAC)
 GAC_COS_PREV = "gac/cos_prev"
+#: cosine between the gradients applied at this step and the previous one (telemetry.grad_cos_prev)
+GRAD_COS_PREV = "grad/cos_prev"
+#: gradient diagnostics against the exact dense KL (telemetry.grad_reference; asyncrl.telemetry.gradients)
+GRADREF_COS = "gradref/cos"
+GRADREF_REL_ERR = "gradref/rel_err"
+GRADREF_BIAS_SQ_REL = "gradref/bias_sq_rel"
+GRADREF_NOISE_REL = "gradref/noise_rel"
+#: exact KL(pi_theta || p) and KL(p || pi_theta) per valid token on the probed batch (grad_reference)
+KL_TEACHER_REVERSE = "kl/teacher_reverse"
+KL_TEACHER_FORWARD = "kl/teacher_forward"
+#: teacher probability mass the cache keeps per position (top-k caches), per-sample mean over tokens
+SAMPLE_TEACHER_MASS = "teacher_mass"
 SAMPLES_PER_S = "throughput/samples_per_s"
 #: samples trained in this step (all ranks)
 SAMPLES_KEPT = "samples/kept"
@@ -169,8 +181,15 @@ __all__ = [
     "FIRST_BATCH_AT",
     "FIRST_STEP_AT",
     "GAC_COS_PREV",
+    "GRADREF_BIAS_SQ_REL",
+    "GRADREF_COS",
+    "GRADREF_NOISE_REL",
+    "GRADREF_REL_ERR",
+    "GRAD_COS_PREV",
     "GRAD_NORM",
     "KL_BEHAVIOR_CURRENT",
+    "KL_TEACHER_FORWARD",
+    "KL_TEACHER_REVERSE",
     "LAG_MAX",
     "LAG_MEAN",
     "LEARNER_IDLE_FRAC",
@@ -187,6 +206,7 @@ __all__ = [
     "SAMPLES_PARTS_DIR",
     "SAMPLES_PER_S",
     "SAMPLE_COLUMNS",
+    "SAMPLE_TEACHER_MASS",
     "STARTUP_MARKS",
     "STARTUP_PARTS",
     "STATUS_ABORTED",

@@ -93,20 +93,34 @@ def sample_rows(batch: Mapping[str, Any], result: Any, version: int, step: int) 
     rows[N.DROP_REASON] = np.where(
         passed, N.DROPPED_NONFINITE if result.nonfinite else "", N.DROPPED_CONTROLLERS
     ).astype(object)
+    if R.TEACHER_TOPK_LOGPROBS in batch:
+        rows[N.SAMPLE_TEACHER_MASS] = teacher_mass(batch[R.TEACHER_TOPK_LOGPROBS], mask)
     return rows
+
+
+def teacher_mass(topk_logprobs: Any, mask: np.ndarray) -> np.ndarray:
+    """Per sample: the mean over its valid tokens of the teacher mass the top-k cache kept,
+    ``M_p(S) = Σ_k p``; NaN for a sample with no valid token."""
+    lp = np.asarray(topk_logprobs, dtype=np.float64)
+    mass = np.exp(lp).sum(-1)  # [B, T]
+    n = mask.sum(1)
+    total = np.where(mask, mass, 0.0).sum(1)
+    return np.where(n > 0, total / np.maximum(n, 1), np.nan)
 
 
 def bucket_metrics(rows: Mapping[str, np.ndarray]) -> dict[str, float]:
     """``bucket/<lag>/<metric>`` over the kept samples (every rank's rows): loss, KL(behavior ||
-    current), reward, the count ``n`` and ``ess``, the ESS fraction of the bucket's sequence
-    weights ``exp(seq_log_ratio)`` (how far importance weighting would thin that bucket out)."""
+    current), reward, the top-k cache's teacher mass (when the rows have it), the count ``n`` and
+    ``ess``, the ESS fraction of the bucket's sequence weights ``exp(seq_log_ratio)`` (how far
+    importance weighting would thin that bucket out)."""
     kept = np.asarray(rows["kept"]).astype(bool)
     out: dict[str, float] = {}
     if not kept.any():
         return out
     lags = rows["lag"][kept]
-    for name in ("loss", "kl_behavior_current", "reward"):
-        out.update(per_bucket(rows[name][kept], lags, name=name))
+    for name in ("loss", "kl_behavior_current", "reward", N.SAMPLE_TEACHER_MASS):
+        if name in rows:
+            out.update(per_bucket(rows[name][kept], lags, name=name))
     out.update(per_bucket(np.ones(int(kept.sum())), lags, name="n", reduce="sum"))
     out.update(per_bucket(rows["seq_log_ratio"][kept], lags, reduce=_ess, name="ess"))
     return out
