@@ -22,6 +22,18 @@ from asyncrl.workloads.tasks import TASKS, get_task
 
 BUILTIN_TASKS = TASKS.names()
 TINY_PRESETS = ("tiny", "tiny-gpt2")
+#: the cell CI runs by default (a long-answer task the char presets budget); the rest: ``-m slow``
+SAMPLED = ("running_sum", "tiny")
+
+
+def _cells(*presets: str) -> list:
+    """Every task (x preset); all but the SAMPLED cell marked slow."""
+    cells = []
+    for task in BUILTIN_TASKS:
+        for preset in presets:
+            marks = () if (task, preset) == SAMPLED else (pytest.mark.slow,)
+            cells.append(pytest.param(task, preset, marks=marks, id=f"{task}-{preset}"))
+    return cells
 
 
 def _budgeted(preset: str, task: str) -> bool:
@@ -29,9 +41,7 @@ def _budgeted(preset: str, task: str) -> bool:
     return not isinstance(get_preset(preset).per_task.get(task), str)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", TINY_PRESETS)
-@pytest.mark.parametrize("task", BUILTIN_TASKS)
+@pytest.mark.parametrize(("task", "preset"), _cells(*TINY_PRESETS))
 def test_tiny_presets_pretrain_every_task_into_its_targets(task: str, preset: str, tmp_path) -> None:
     from asyncrl.workloads.pretrain import PretrainError, pretrain
 
@@ -52,14 +62,15 @@ def test_tiny_presets_pretrain_every_task_into_its_targets(task: str, preset: st
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize("task", BUILTIN_TASKS)
-def test_demo_path_sizes_generation_from_each_task(task: str, ray_local, tmp_path, capsys) -> None:
+@pytest.mark.parametrize(("task", "preset"), _cells("tiny"))
+def test_demo_path_sizes_generation_from_each_task(
+    task: str, preset: str, ray_local, tmp_path, capsys
+) -> None:
     root = tmp_path / "demo"
-    argv = ["demo", "--quiet", "--task", task, "--preset", "tiny", "--steps", "2", "--cache-dir", str(CACHE)]
+    argv = ["demo", "--quiet", "--task", task, "--preset", preset, "--steps", "2", "--cache-dir", str(CACHE)]
     argv += ["--run-root", str(root), "train.batch_size=8", "train.eval_every=2", "train.eval_size=32"]
     argv += ["telemetry.tensorboard=false"]
-    if not _budgeted("tiny", task):
+    if not _budgeted(preset, task):
         assert main(argv) == 1
         assert "no pretraining budget" in capsys.readouterr().err
         return
