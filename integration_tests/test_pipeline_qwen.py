@@ -85,7 +85,7 @@ def test_qwen_vocab_grpo(ray_local, qwen_pair, tmp_path):
     cfg = tiny_config(
         tmp_path / "grpo",
         *QWEN,
-        "estimator.options={chunk_size: 2}",
+        "estimator.options.chunk_size=2",  # the shipped options (anchor: proximal) plus chunking
         "train.steps=2",
         "train.batch_size=8",
         "train.group_size=4",

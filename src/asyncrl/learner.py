@@ -317,8 +317,9 @@ class Learner:
         """Stop the run (numerics guard): checkpoint the unchanged weights, leave the reason for the
         driver in ``RUN/abort.json``, close the store. Returns normally, so Ray Train does not
         restart a run that would only fail the same way."""
-        if self.last_checkpoint < self.version:
-            self.checkpoint()
+        # always: the skipped batches' samples enter the ledger as dropped (nonfinite), so a resume
+        # does not draw the prompts that broke the numerics again; the weights are the unchanged ones
+        self.checkpoint(suffix="" if self.last_checkpoint < self.version else "_aborted")
         self.comm.barrier()
         if self.rank0:
             where = checkpoint.latest(self.spec.run_dir)
@@ -425,9 +426,10 @@ class Learner:
             return True
         return every > 0 and self.version // every > self.last_checkpoint // every
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, suffix: str = "") -> None:
         """Every rank writes its part (rank 0: model, shared state, ledger, coordinator books) and
-        reports it; Ray Train copies them into one ``step_<v>`` folder."""
+        reports it; Ray Train copies them into one ``step_<v>`` folder (``step_<v>_aborted``: the numerics
+        guard's, at the version of the last checkpoint, with the skipped samples in the ledger)."""
         import tempfile
 
         import ray.train
@@ -452,7 +454,7 @@ class Learner:
             ray.train.report(
                 {"step": self.version},
                 checkpoint=Checkpoint.from_directory(tmp) if wrote else None,
-                checkpoint_dir_name=f"step_{self.version:06d}",
+                checkpoint_dir_name=f"step_{self.version:06d}{suffix}",
             )
         self.comm.barrier()  # every shard is on storage before any rank moves on (and might fail)
         self.last_checkpoint = self.version
