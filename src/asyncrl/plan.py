@@ -6,10 +6,12 @@ pipeline would: unknown or mismatched components, estimator/cache/engine pairing
 checkpoints, resources that cannot be satisfied. ``asyncrl.pipeline`` turns a ``RunPlan`` into
 the Ray graph.
 
-The prompt stream: seeded epochs over the training prompts, ``G`` samples per prompt (a group),
-cut into blocks of ``B / W`` samples (one learner worker's share of one rollout batch) with
-``sample_id`` = position in the stream and ``block_index`` = position of the block. Both are
-assigned here, before Ray sees the data, so a run config always yields the same blocks, and a
+The prompt stream (``asyncrl.stream``): seeded epochs over the training prompts, ``G`` samples
+per prompt (a group), cut into blocks of ``B / W`` samples (one learner worker's share of one
+rollout batch) with ``sample_id`` = position in the stream and ``block_index`` = position of
+the block. A built-in task's blocks are cut here, in the driver, before Ray sees the data
+(``prompt_blocks``); prompt files are opened and checked here (``RunPlan.prompts``) and
+streamed by one Ray Data actor. Either way a run config always yields the same blocks, and a
 resumed run removes the samples its ledger says were consumed and generates the rest again.
 """
 
@@ -24,6 +26,8 @@ import numpy as np
 from asyncrl import records as R
 from asyncrl.config import RunConfig
 from asyncrl.configurable import to_dict
+from asyncrl.stream import BlockCutter
+from asyncrl.workloads.prompts import PromptSource
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class RunPlan:
     controller_specs: list[tuple[str, dict[str, Any]]]
     engine_options: dict[str, Any]
     resume_dir: str | None
+    #: ``workload.prompts_path`` resolved and its schema checked (None: the task's own split)
+    prompts: PromptSource | None = None
 
     @property
     def rl(self) -> bool:
@@ -219,10 +225,15 @@ def check_gpus(cfg: RunConfig, cluster_gpus: float, *, rl: bool) -> None:
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
     """Workers do not share the driver's working directory: make every local path absolute."""
+    w = cfg.workload
     return replace(
         cfg,
         run_dir=str(Path(cfg.run_dir).resolve()),
-        workload=replace(cfg.workload, cache_dir=str(Path(cfg.workload.cache_dir).resolve())),
+        workload=replace(
+            w,
+            cache_dir=str(Path(w.cache_dir).resolve()),
+            prompts_path=str(Path(w.prompts_path).resolve()) if w.prompts_path else None,
+        ),
     )
 
 
@@ -243,21 +254,31 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
         controller_specs=controller_specs(cfg),
         engine_options=generator_engine_options(cfg),
         resume_dir=str(resume) if resume else None,
+        prompts=PromptSource.open(cfg.workload.prompts_path) if cfg.workload.prompts_path else None,
     )
 
 
 # --- prompts -------------------------------------------------------------------------------------------
-def load_examples(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
-    """Training prompts (the task's split or ``workload.prompts_path``) and held-out eval prompts."""
-    from asyncrl.workloads.tasks import get_task, load_prompts
+def load_examples(cfg: RunConfig) -> tuple[list[Any] | None, list[Any]]:
+    """Training prompts of the task's split (None when ``workload.prompts_path`` streams them
+    instead, ``asyncrl.stream``) and the task's held-out eval prompts."""
+    from asyncrl.workloads.tasks import get_task
 
     task = get_task(cfg.workload.task)
-    if cfg.workload.prompts_path:
-        train = load_prompts(cfg.workload.prompts_path)
-    else:
+    train = None
+    if not cfg.workload.prompts_path:
         train = task.make_examples("train", cfg.workload.train_size, cfg.workload.pretrain_seed)
     evals = task.make_examples("eval", cfg.workload.eval_size, cfg.workload.pretrain_seed)
     return train, evals
+
+
+def stream_blocks(cfg: RunConfig) -> int:
+    """Blocks the stream offers a run: every rollout batch, the ``max_lag`` ahead and a margin,
+    plus a quarter for dropped samples."""
+    tc, pc = cfg.train, cfg.pipeline
+    need = (tc.steps // tc.minibatches + pc.max_lag + 2) * tc.batch_size
+    need = int(need * 1.25) + tc.batch_size
+    return need // (tc.batch_size // pc.learner_workers)
 
 
 def prompt_blocks(
@@ -267,42 +288,26 @@ def prompt_blocks(
     max_prompt_len: int,
     skip_ids: np.ndarray | None = None,
 ) -> list[dict[str, np.ndarray]]:
-    """One block per learner worker per rollout batch: seeded epochs, groups of G, ids and block
-    indices assigned before Ray sees them (see the module docstring)."""
+    """The built-in task's blocks, cut in the driver: epoch ``e`` is ``rng([seed, e])``'s
+    permutation of ``examples`` (see ``asyncrl.stream`` for ids, groups and blocks)."""
     from asyncrl.workloads.tasks import encode_prompts
 
     tc, pc = cfg.train, cfg.pipeline
-    G = tc.group_size
     local = tc.batch_size // pc.learner_workers
-    rollouts = tc.steps // tc.minibatches
-    need = (rollouts + pc.max_lag + 2) * tc.batch_size
-    need = int(need * 1.25) + tc.batch_size  # headroom for dropped samples
+    n_rows = -(-stream_blocks(cfg) * local // tc.group_size)
     order: list[int] = []
     epoch = 0
-    while len(order) * G < need:
+    while len(order) < n_rows:
         rng = np.random.default_rng([cfg.seed, epoch])
         order.extend(rng.permutation(len(examples)).tolist())
         epoch += 1
-    prompts = [examples[i].prompt for i in order]
-    ids, mask = encode_prompts(tokenizer, prompts, max_prompt_len)
-    ids, mask = ids.numpy(), mask.numpy()
-    n_prompts = len(order)
-    group = np.repeat(np.arange(n_prompts), G)
+    ids, mask = encode_prompts(tokenizer, [examples[i].prompt for i in order], max_prompt_len)
     rows = {
-        R.PROMPT_IDS: np.repeat(ids, G, axis=0),
-        R.PROMPT_MASK: np.repeat(mask, G, axis=0),
-        "answer": np.repeat(np.asarray([examples[i].answer for i in order], dtype=object), G),
-        R.PROMPT_ID: np.repeat(np.asarray([examples[i].prompt_id for i in order], dtype=np.int64), G),
-        R.GROUP_ID: group.astype(np.int64),
-        R.SAMPLE_ID: np.arange(n_prompts * G, dtype=np.int64),
+        R.PROMPT_IDS: ids.numpy(),
+        R.PROMPT_MASK: mask.numpy(),
+        R.ANSWER: np.asarray([examples[i].answer for i in order], dtype=object),
+        R.PROMPT_ID: np.asarray([examples[i].prompt_id for i in order], dtype=np.int64),
     }
-    if skip_ids is not None and len(skip_ids):
-        keep = ~np.isin(rows[R.SAMPLE_ID], skip_ids)
-        rows = {k: v[keep] for k, v in rows.items()}
-    n_blocks = len(rows[R.SAMPLE_ID]) // local
-    blocks = []
-    for b in range(n_blocks):
-        block = {k: v[b * local : (b + 1) * local] for k, v in rows.items()}
-        block[R.BLOCK_INDEX] = np.full(local, b, dtype=np.int64)
-        blocks.append(block)
-    return blocks
+    cutter = BlockCutter(tc.group_size, local, skip_ids)
+    cutter.add(rows, np.arange(len(order), dtype=np.int64))
+    return list(cutter.blocks())

@@ -5,7 +5,8 @@ student (``transformers`` Llama/GPT-2 built from a config) on a built-in task an
 them as ordinary HF checkpoints; any ``AutoModelForCausalLM`` + tokenizer on disk plugs in
 the same way (``load_pair``).
 
-Modules: ``tasks`` (Task protocol, TASKS, user prompt files, prompt encoding),
+Modules: ``tasks`` (Task protocol, TASKS, rewards, prompt encoding), ``prompts`` (prompt files:
+Parquet / JSONL / datasets folders, ``prompt`` or chat ``messages``, metadata for the reward),
 ``tokenizer`` (char tokenizer), ``presets`` (PRESETS, build_model), ``pretrain``,
 ``evaluate`` (greedy exact match), ``checkpoints`` (save / check / load_pair).
 Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light. The
@@ -23,7 +24,8 @@ _EXPORTS = {
     "Task": "tasks",
     "TASKS": "tasks",
     "get_task": "tasks",
-    "load_prompts": "tasks",
+    "reward_function": "tasks",
+    "PromptSource": "prompts",
     "encode_prompts": "tasks",
     "char_tokenizer": "tokenizer",
     "PRESETS": "presets",

@@ -10,6 +10,11 @@ Special ids: ``<pad>=0``, ``<bos>=1``, ``<eos>=2``, ``<unk>=3``. Encoding with
 ``add_special_tokens=True`` prepends ``<bos>``; padding is on the left (generation convention).
 As in every HF tokenizer, a special token's text inside a string (``"<eos>"``) encodes to
 that special token, not to its characters.
+
+Chat template (``CHAR_CHAT_TEMPLATE``, for prompt files with a ``messages`` column): ``<bos>``,
+then the turns' contents joined by newlines, each assistant turn closed by ``<eos>``; no role
+markers and no generation header. So one user turn renders exactly as the plain prompt encodes
+(``"<bos>57+08="``), and a chat of a built-in task prompts the model as its pretraining did.
 """
 
 from __future__ import annotations
@@ -26,6 +31,17 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 #: Printable ASCII (digits, letters, punctuation, space) plus newline: covers every built-in
 #: task and most user prompts; anything else maps to ``<unk>``.
 CHARS: str = string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n"
+
+
+#: see the module docstring: a single user turn renders as ``<bos>`` + its content
+CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- if not loop.first %}{{ '\\n' }}{% endif -%}"
+    "{{ message['content'] }}"
+    "{%- if message['role'] == 'assistant' %}{{ eos_token }}{% endif -%}"
+    "{%- endfor -%}"
+)
 
 
 def char_vocab() -> dict[str, int]:
@@ -49,4 +65,5 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK,
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        chat_template=CHAR_CHAT_TEMPLATE,
     )
