@@ -146,9 +146,9 @@ class Learner:
             spec.namespace, timeout_s=pc.rpc_timeout_s, name=spec.store_name
         )
         self.pending: dict[str, float] = {}  # figures of consumptions without a step, logged with the next
-        self.writer = self.progress = self.evaluator = None
+        # the driver shows progress by following metrics.jsonl (asyncrl.telemetry.progress)
+        self.writer = self.evaluator = None
         if self.rank0:
-            from asyncrl.telemetry.progress import Progress
             from asyncrl.telemetry.sinks import RunWriter
 
             self.writer = RunWriter(
@@ -157,7 +157,6 @@ class Learner:
                 resume=spec.resume_dir is not None,
                 truncate_after_step=self.version,
             )
-            self.progress = Progress(total=tc.steps, enabled=cfg.telemetry.progress, start=self.version)
             tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
             self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
         self.eval_time = 0.0
@@ -174,6 +173,7 @@ class Learner:
         )
         for batch in it:
             if len(batch[R.SAMPLE_ID]):
+                batch = R.writable(batch)  # Ray Data's zero-copy arrays are read-only
                 batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
                 yield batch
 
@@ -237,7 +237,6 @@ class Learner:
         metrics[N.TIME_S] = time.perf_counter() - self.t_run0
         metrics["time/eval_total_s"] = self.eval_time
         self.writer.log_step(self.version, metrics)
-        self.progress.update(self.version, metrics)
         self.t_prev = time.perf_counter()
 
     def evaluate(self) -> float:
@@ -284,7 +283,6 @@ class Learner:
     def finish(self) -> None:
         if self.rank0:
             self.store.close()
-            self.progress.close()
             self.writer.close()
         if self.version < self.cfg.train.steps:
             raise RuntimeError(

@@ -1,6 +1,7 @@
 """Builds and runs the Ray graph of a ``RunPlan`` (``asyncrl.plan``)::
 
-    prompt blocks (in memory, one per learner worker per rollout batch, in stream order)
+    prompt blocks (one per learner worker per rollout batch, in stream order: cut in the driver
+                   for a built-in task, or streamed from prompt files by StreamBlocks, asyncrl.stream)
       -> map_batches(Generate, actor pool)      admitted by the PolicyStore in block order
       -> map_batches(ScoreTeacher | ScoreReward, actor pool)
       -> Ray Train TorchTrainer (train_loop_per_worker in asyncrl.learner), blocks in the same order
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from asyncrl.config import RunConfig, load_config, save_config
 from asyncrl.configurable import to_dict
 from asyncrl.plan import RunPlan, check_gpus, kept_versions, load_examples, make_plan, prompt_blocks
 from asyncrl.raysetup import RAY_ENV, apply_env
+from asyncrl.telemetry.progress import Display
 
 
 @dataclass
@@ -44,21 +47,33 @@ class RunResult:
 
 
 def init_ray(cfg: RunConfig) -> bool:
-    """Start (or join) Ray; returns True if this call started it (and so must shut it down)."""
+    """Start (or join) Ray; returns True if this call started it (and so must shut it down).
+    Worker logs reach the driver through ``asyncrl.telemetry.console``'s filter (``-v``: all)."""
     import os
 
     import ray
 
+    from asyncrl.telemetry import console
+
     if ray.is_initialized():
+        console.install_log_filter()
         return False
     from asyncrl.raysetup import runtime_env
 
-    env = runtime_env(dict(RAY_ENV), cfg.pipeline.data_tick_s)
+    env = runtime_env({**RAY_ENV, **console.quiet_env()}, cfg.pipeline.data_tick_s)
+    level = console.ray_logging_level()
     if cfg.pipeline.ray_address:
-        ray.init(address=cfg.pipeline.ray_address, runtime_env=env, log_to_driver=True)
+        ray.init(address=cfg.pipeline.ray_address, runtime_env=env, log_to_driver=True, logging_level=level)
     else:
         num_cpus = cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            runtime_env=env,
+            log_to_driver=True,
+            logging_level=level,
+        )
+    console.install_log_filter()
     return True
 
 
@@ -77,8 +92,17 @@ def _to_arrow(block: dict[str, np.ndarray]) -> Any:
     return pa.table(cols)
 
 
-def build_dataset(plan: RunPlan, blocks: list[dict[str, np.ndarray]], namespace: str, store_name: str) -> Any:
-    """The Ray Data graph: prompt blocks -> generation -> teacher (or reward) scoring, in order."""
+def build_dataset(
+    plan: RunPlan,
+    blocks: list[dict[str, np.ndarray]] | None,
+    namespace: str,
+    store_name: str,
+    *,
+    skip_ids: np.ndarray | None = None,
+) -> Any:
+    """The Ray Data graph: prompt blocks -> generation -> teacher (or reward) scoring, in order.
+    ``blocks`` cut in the driver (a built-in task), or None: ``plan.prompts`` streamed
+    (``asyncrl.stream``), without the samples in ``skip_ids`` (a resume's ledger)."""
     import ray.data
 
     from asyncrl.stages import Generate, ScoreReward, ScoreTeacher
@@ -91,7 +115,11 @@ def build_dataset(plan: RunPlan, blocks: list[dict[str, np.ndarray]], namespace:
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     local = cfg.train.batch_size // pc.learner_workers
-    ds = ray.data.from_arrow([_to_arrow(b) for b in blocks])
+    ds = (
+        ray.data.from_arrow([_to_arrow(b) for b in blocks])
+        if blocks is not None
+        else streamed(plan, skip_ids)
+    )
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     ds = ds.map_batches(
@@ -141,8 +169,44 @@ def build_dataset(plan: RunPlan, blocks: list[dict[str, np.ndarray]], namespace:
     )
 
 
-def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunResult:
-    """Run a whole pipeline; returns the run directory and its summary. See the module docstring."""
+def streamed(plan: RunPlan, skip_ids: np.ndarray | None) -> Any:
+    """The prompt files as a stream of blocks: block indices (one row each) -> StreamBlocks, an
+    actor pool of one (``asyncrl.stream``)."""
+    import ray.data
+
+    from asyncrl import records as R
+    from asyncrl.plan import stream_blocks
+    from asyncrl.stream import StreamBlocks
+
+    cfg = plan.cfg
+    n = stream_blocks(cfg)
+    indices = ray.data.from_items([{R.BLOCK_INDEX: i} for i in range(n)], override_num_blocks=n)
+    return indices.map_batches(
+        StreamBlocks,
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
+        num_cpus=0.1,
+        fn_constructor_kwargs=dict(
+            source=plan.prompts,
+            tokenizer_dir=plan.models.student_dir,
+            seed=cfg.seed,
+            group_size=cfg.train.group_size,
+            block_samples=cfg.train.batch_size // cfg.pipeline.learner_workers,
+            window=cfg.workload.shuffle_window,
+            max_prompt_tokens=cfg.workload.max_prompt_tokens,
+            skip_ids=skip_ids,
+            read_timeout_s=cfg.pipeline.no_progress_timeout_s,
+        ),
+    )
+
+
+def run(
+    cfg: RunConfig | str | Path, *, fail_at_step: int | None = None, display: Display | None = None
+) -> RunResult:
+    """Run a whole pipeline; returns the run directory and its summary. See the module docstring.
+
+    Progress: a row in ``display`` (a caller's ``asyncrl.telemetry.progress.Display``, e.g. a
+    sweep's, one row per run), else in a display of its own (``telemetry.progress``)."""
     apply_env()
     import ray
     from ray.train import DataConfig, FailureConfig, ScalingConfig
@@ -150,7 +214,7 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
     from ray.train.torch import TorchConfig, TorchTrainer
     from transformers import AutoTokenizer
 
-    from asyncrl.checkpoint import COORDINATOR_FILE, load_ledger
+    from asyncrl.checkpoint import COORDINATOR_FILE, STATE_FILE, load_ledger
     from asyncrl.coordinator import PolicyStore
     from asyncrl.learner import LearnerSpec, train_loop_per_worker
     from asyncrl.telemetry.sinks import write_summary
@@ -165,11 +229,16 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
 
-    tokenizer = AutoTokenizer.from_pretrained(plan.models.student_dir, local_files_only=True)
     train_ex, eval_ex = load_examples(cfg)
-    max_prompt_len = max(len(tokenizer(e.prompt)["input_ids"]) for e in train_ex[:2048])
     skip = load_ledger(plan.resume_dir) if plan.resume_dir else None
-    blocks = prompt_blocks(cfg, train_ex, tokenizer, max_prompt_len, skip)
+    start_step = json.loads(Path(plan.resume_dir, STATE_FILE).read_text())["step"] if plan.resume_dir else 0
+    blocks = None  # prompt files: streamed by Ray Data (asyncrl.stream), never held here
+    if train_ex is not None:
+        tokenizer = AutoTokenizer.from_pretrained(plan.models.student_dir, local_files_only=True)
+        max_prompt_len = cfg.workload.max_prompt_tokens or max(
+            len(tokenizer(e.prompt)["input_ids"]) for e in train_ex[:2048]
+        )
+        blocks = prompt_blocks(cfg, train_ex, tokenizer, max_prompt_len, skip)
 
     started = init_ray(cfg)
     namespace = ray.get_runtime_context().namespace
@@ -188,7 +257,7 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
         coordinator_state = Path(plan.resume_dir, COORDINATOR_FILE) if plan.resume_dir else None
         if coordinator_state is not None and coordinator_state.exists():
             ray.get(store.load_state_dict.remote(json.loads(coordinator_state.read_text())))
-        ds = build_dataset(plan, blocks, namespace, store_name)
+        ds = build_dataset(plan, blocks, namespace, store_name, skip_ids=skip)
         spec = LearnerSpec(
             cfg=cfg,
             controller_specs=plan.controller_specs,
@@ -222,7 +291,12 @@ def run(cfg: RunConfig | str | Path, *, fail_at_step: int | None = None) -> RunR
             datasets={"train": ds},
             dataset_config=data_config,
         )
-        result = trainer.fit()
+        # the driver owns the progress display: it follows RUN/metrics.jsonl while the run trains
+        with (
+            nullcontext(display) if display is not None else Display(enabled=cfg.telemetry.progress) as shown,
+            shown.follow(run_dir, title=run_dir.name, total=cfg.train.steps, start=start_step),
+        ):
+            result = trainer.fit()
         if result.error is not None:
             raise result.error
         store_stats = ray.get(store.stats.remote())

@@ -30,8 +30,11 @@ RAY_ENV = {
 
 
 def apply_env() -> None:
-    """Set ``RAY_ENV`` in this process where unset (called by entry points, never at import)."""
-    for key, value in RAY_ENV.items():
+    """Set ``RAY_ENV`` (and, unless verbose, ``asyncrl.telemetry.console.quiet_env``) in this
+    process where unset (called by entry points, never at import)."""
+    from asyncrl.telemetry.console import quiet_env
+
+    for key, value in {**RAY_ENV, **quiet_env()}.items():
         os.environ.setdefault(key, value)
 
 

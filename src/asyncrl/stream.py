@@ -50,6 +50,7 @@ tokenized.
 
 from __future__ import annotations
 
+import atexit
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -193,6 +194,10 @@ class FileStream:
         for block in self._blocks:
             self._produced += 1
             yield block
+
+    def close(self) -> None:
+        """Stop reading: the reader's iterators close now (Ray Data's while Ray is still up)."""
+        self._blocks.close()
 
     # -- the stream ------------------------------------------------------------------------------------
     def _generate(self) -> Iterator[dict[str, np.ndarray]]:
@@ -356,6 +361,9 @@ class StreamBlocks:
             skip_ids=skip_ids,
             reader=ray_reader(source.kind, timeout_s=read_timeout_s),
         )
+        # a run ends with the stream unfinished: close the Ray Data read before Ray's own exit
+        # hook disconnects this process (Ray Data's iterator would log a traceback otherwise)
+        atexit.register(self.stream.close)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         (index,) = np.asarray(batch[R.BLOCK_INDEX]).tolist()

@@ -101,14 +101,16 @@ def pretrain(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # deterministic, and faster than 2 threads for models this small
     try:
-        return _pretrain(task_obj, preset_obj, root, seed, log, t0)
+        return _pretrain(task_obj, preset_obj, root, seed, log, t0, show=progress)
     finally:
         torch.set_num_threads(threads)
 
 
 def _pretrain(
-    task_obj: Task, preset_obj: Preset, root: Path, seed: int, log: Any, t0: float
+    task_obj: Task, preset_obj: Preset, root: Path, seed: int, log: Any, t0: float, *, show: bool = True
 ) -> PretrainResult:
+    from asyncrl.telemetry.progress import SUPERVISED_FIELDS, Progress
+
     teacher_dir, student_dir = root / "teacher", root / "student"
     tokenizer = char_tokenizer()
     train = task_obj.make_examples("train", TRAIN_POOL, seed)
@@ -123,17 +125,20 @@ def _pretrain(
             f"{role}: {spec.arch} {num_parameters(model) / 1e6:.2f}M params, up to {schedule.max_steps} steps"
         )
         ts = time.perf_counter()
-        model, acc, steps = train_supervised(
-            model,
-            tokenizer,
-            task_obj,
-            train,
-            evals,
-            schedule,
-            seed=model_seed,
-            stop="reach" if role == "teacher" else "band",
-            log=log,
-        )
+        with Progress(
+            schedule.max_steps, enabled=show, title=f"pretrain {role}", fields=SUPERVISED_FIELDS
+        ) as bar:
+            model, acc, steps = train_supervised(
+                model,
+                tokenizer,
+                task_obj,
+                train,
+                evals,
+                schedule,
+                seed=model_seed,
+                stop="reach" if role == "teacher" else "band",
+                progress=bar,
+            )
         meta = _meta(task_obj, preset_obj, role, spec, schedule, seed, acc, steps, time.perf_counter() - ts)
         save_checkpoint(model, tokenizer, root / role, meta)
         log(
@@ -173,13 +178,16 @@ def train_supervised(
     *,
     seed: int,
     stop: str = "reach",
-    log: Any = None,
+    progress: Any = None,
 ) -> tuple[torch.nn.Module, float, int]:
     """Teacher-forced training with the stopping rule ``stop`` ("reach" or "band").
 
     Returns ``(model, eval accuracy, steps)``; for "band" the model is the kept snapshot.
+    ``progress`` (an ``asyncrl.telemetry.progress.Progress``) gets the loss every step and the
+    eval accuracy at every eval.
     """
-    log = log or (lambda msg: None)
+    from asyncrl.telemetry import names
+
     ids, labels = _encode_supervised(tokenizer, train)  # [N, L] each
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -208,9 +216,12 @@ def train_supervised(
         opt.step()
         sched.step()
         if step % schedule.eval_every and step != schedule.max_steps:
+            if progress is not None:
+                progress.update(step, {names.LOSS: loss.item()})
             continue
         acc = exact_match(model, tokenizer, task, evals, max_new)
-        log(f"  step {step:5d} loss {loss.item():.4f} eval exact-match {acc:.3f}")
+        if progress is not None:
+            progress.update(step, {names.LOSS: loss.item(), names.EVAL_ACCURACY: acc})
         if stop == "reach":
             if acc >= schedule.stop_at:
                 break

@@ -219,15 +219,21 @@ def read_arrow_stream(f: Any, path: str) -> Iterator[pa.Table]:
 
 def read_dataset(files: Sequence[str], kind: Kind, *, num_cpus: float = 0.25) -> Any:
     """The files as a lazy Ray Data dataset whose rows come in ``files`` order (with the
-    context's ``preserve_order``): ``read_parquet``, ``read_json(lines=True)`` or an Arrow IPC
-    stream datasource. Partition columns are not added (``partitioning=None``)."""
+    context's ``preserve_order``): ``read_parquet``, ``read_json`` or an Arrow IPC stream
+    datasource. Partition columns are not added (``partitioning=None``).
+
+    JSON Lines go through Ray's Arrow JSON reader (``read_json`` without ``lines=True``, which
+    would parse with pandas: nulls become NaN, integers floats), the parser ``read_file`` uses, so
+    both readers give the same rows and types. It parses a file whole inside its read task (a
+    Ray worker, not the driver): shard a very large JSONL set into files, or use Parquet, which
+    is read a row group at a time."""
     import ray.data
 
     files = list(files)
     if kind == "parquet":
         return ray.data.read_parquet(files, partitioning=None, num_cpus=num_cpus)
     if kind == "jsonl":
-        return ray.data.read_json(files, lines=True, partitioning=None, num_cpus=num_cpus)
+        return ray.data.read_json(files, partitioning=None, num_cpus=num_cpus)
     return ray.data.read_datasource(_arrow_datasource(files), num_cpus=num_cpus)
 
 
