@@ -53,9 +53,15 @@ def set_data_tick(seconds: float) -> None:
     ses.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = seconds
 
 
+#: environment of Ray's worker processes only: a worker is always connected, so it must never
+#: auto-start a Ray instance of its own (Ray Data's clean-up in a worker that is shutting down
+#: calls Ray APIs after the disconnect, and auto-init then starts a local cluster in that process)
+WORKER_ENV = {"RAY_ENABLE_AUTO_CONNECT": "0"}
+
+
 def runtime_env(env_vars: dict[str, str], tick_s: float | None = DEFAULT_TICK_S) -> dict:
-    """The ``runtime_env`` asyncrl starts Ray with: env vars plus the tick hook."""
-    env = dict(env_vars)
+    """The ``runtime_env`` asyncrl starts Ray with: env vars (and ``WORKER_ENV``) plus the tick hook."""
+    env = {**env_vars, **WORKER_ENV}
     if tick_s is not None:
         env[TICK_ENV] = str(tick_s)
     return {"env_vars": env, "worker_process_setup_hook": "asyncrl.raysetup.setup_worker"}
