@@ -41,6 +41,15 @@ def test_plain_loop_loss_goes_down(capsys: pytest.CaptureFixture[str]) -> None:
     assert "forward KL (top-8)" in capsys.readouterr().out
 
 
+def test_loss_step_loop_example_trains_with_stale_batches() -> None:
+    results = _load("loss_step_loop").main(steps=12, batch_size=16, max_lag=2, verbose=False)
+    lags = [int(r.lags_global.max()) for r in results]
+    assert max(lags) == 2 and all(r.stepped for r in results)  # the chain kept lag <= 2, every step taken
+    assert sum(r.loss for r in results[-3:]) < sum(r.loss for r in results[:3])
+    stale = [r for r, lag in zip(results, lags) if lag > 0]
+    assert any(r.lr_applied < r.lr_scheduled for r in stale)  # ess_lr shrank the LR on stale batches
+
+
 @pytest.mark.parametrize(
     ("name", "algo", "preset"),
     [

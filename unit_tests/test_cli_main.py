@@ -15,7 +15,7 @@ from asyncrl import cli
 from asyncrl.cli import demo_table, main
 from asyncrl.telemetry.sinks import read_summary
 
-COMMANDS = ("demo", "run", "validate", "report", "pretrain", "eval", "ls")
+COMMANDS = ("demo", "run", "sweep", "validate", "report", "pretrain", "eval", "ls")
 
 
 @pytest.mark.parametrize("command", [None, *COMMANDS])

@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command: demo, run, validate, report, pretrain, eval, ls.
+"""The ``asyncrl`` command: demo, run, sweep, validate, report, pretrain, eval, ls.
 
 Every subcommand has ``--help``; ``--quiet`` turns progress displays off (CI, logs);
 ``--verbose`` also shows Ray's own logs, known-harmless warnings and per-process loading bars,
@@ -153,6 +153,59 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(line)
     print(f"run directory: {result.run_dir}   (report: asyncrl report {result.run_dir})")
     return 0
+
+
+# --- sweep -----------------------------------------------------------------------------------------
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from asyncrl.sweep import SweepError, aggregate_sweep, cell_state, load_sweep, run_sweep
+    from asyncrl.telemetry.progress import GridProgress
+
+    if args.parallel < 1:
+        raise CLIError(f"--parallel must be >= 1; got {args.parallel}", EXIT_USAGE)
+    try:  # every cell's config, and every existing run directory, before anything runs
+        sweep = load_sweep(args.sweep, args.overrides, output_dir=args.output_dir)
+        states = {c.key: cell_state(c, sweep.path) for c in sweep.cells}
+    except SweepError as err:
+        raise CLIError(str(err), EXIT_USAGE) from None
+    if args.list:
+        for cell in sweep.cells:
+            print(f"{states[cell.key]:<8} {cell.key}")
+        print(f"{len(sweep.cells)} cells in {sweep.output_dir}")
+        return 0
+    todo = [c for c in sweep.cells if states[c.key] != "done"]
+    results: dict[str, Any] = {}
+    if todo and not args.report_only:
+        for cfg in {c.config.workload: c.config for c in todo}.values():
+            _check_checkpoints(cfg)
+        _say(
+            args,
+            f"sweep {sweep.name}: {len(sweep.cells)} cells, {len(sweep.cells) - len(todo)} done before, "
+            f"{len(todo)} to run -> {sweep.output_dir}",
+        )
+        with GridProgress(
+            len(sweep.cells),
+            done=len(sweep.cells) - len(todo),
+            concurrency=args.parallel,
+            enabled=not args.quiet,
+            title=f"sweep {sweep.name}",
+        ) as progress:
+            results = run_sweep(
+                sweep,
+                parallel=args.parallel,
+                progress=progress,
+                fail_fast=args.fail_fast,
+                say=lambda line: _say(args, line),
+            )
+    out = aggregate_sweep(sweep, results)
+    counts = ", ".join(f"{n} {status}" for status, n in out.statuses.items())
+    ran = sum(r.status != "skipped" for r in results.values())
+    print(f"cells: {counts} ({ran} run now)")
+    print(f"tables: {out.cells} {out.seeds} (and .parquet)")
+    print(f"report: {out.report}")
+    failed = {k: r for k, r in results.items() if r.status == "failed"}
+    for key, result in failed.items():
+        print(f"asyncrl: cell {key} failed: {result.error}", file=sys.stderr)
+    return EXIT_ERROR if failed else 0
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -403,6 +456,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run, "run a config", "Run the pipeline from a YAML config plus key=value overrides.")
     p.add_argument("config", help="YAML config (see examples/configs/)")
     overrides(p)
+
+    p = add(
+        "sweep",
+        cmd_sweep,
+        "run a grid of configs x seeds (resumable) and aggregate it into tables, plots and a report",
+        "Run every cell of a sweep file (a base config, fixed overrides, a grid over config keys, named "
+        "variants, seeds; see examples/sweeps/ and docs/sweeps.md) that is not done yet, then write "
+        "OUTPUT/cells.csv|parquet, OUTPUT/seeds.csv|parquet (mean, std, n over seeds), OUTPUT/plots/*.png "
+        "and OUTPUT/report.html. Every cell's config is checked before anything runs (exit 2 naming the "
+        "file, the cell and the field). A finished cell (summary.json) is never rerun; an interrupted one "
+        "resumes from its checkpoint. Exit 1 if a cell failed.",
+    )
+    p.add_argument("sweep", help="sweep YAML (see examples/sweeps/)")
+    overrides(p)
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="cells at a time, each driven by its own Ray task, capped at what the Ray cluster holds "
+        "(default 1: one after another in this process)",
+    )
+    p.add_argument("--output-dir", default=None, help="sweep directory (default: the file's output_dir)")
+    p.add_argument("--list", action="store_true", help="print every cell and its status, run nothing")
+    p.add_argument(
+        "--report-only", action="store_true", help="run nothing; aggregate what the sweep directory holds"
+    )
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failed cell")
 
     p = add(
         "validate",

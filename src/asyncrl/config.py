@@ -8,6 +8,7 @@ typo fails before any process starts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -218,26 +219,46 @@ def _parse_value(text: str) -> Any:
     return yaml.safe_load(text) if text != "" else ""
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict, in order."""
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"a.b.c=value"`` -> ``("a.b.c", value)``, the value parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(item, item, "overrides look like key.sub=value")
+    key, _, raw = item.partition("=")
+    return key.strip(), _parse_value(raw)
+
+
+def set_key(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    """A copy of the nested dict ``data`` with the node at dotted ``key`` set to ``value`` (replaced, not
+    merged: ``estimator.options={...}`` replaces the options; ``estimator.options.tail=drop`` sets one)."""
     data = dict(data)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(item, item, "overrides look like key.sub=value")
-        key, _, raw = item.partition("=")
-        parts = key.strip().split(".")
-        node = data
-        for p in parts[:-1]:
-            child = node.get(p)
-            child = dict(child) if isinstance(child, dict) else {}
-            node[p] = child
-            node = child
-        node[parts[-1]] = _parse_value(raw)
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        child = node.get(p)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[p] = child
+        node = child
+    node[parts[-1]] = value
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """YAML file (or defaults) + overrides -> validated RunConfig. Names are resolved now."""
+def apply_overrides(data: dict[str, Any], overrides: list[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """Apply overrides to a nested dict, in order: ``a.b.c=value`` strings (values parsed as YAML), or a
+    mapping of dotted keys to values (used as they are, e.g. from a sweep file)."""
+    if isinstance(overrides, Mapping):
+        items = list(overrides.items())
+    else:
+        items = [parse_override(item) for item in overrides]
+    for key, value in items:
+        data = set_key(data, key, value)
+    return dict(data)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | Mapping[str, Any] | None = None
+) -> RunConfig:
+    """YAML file (or defaults) + overrides (see ``apply_overrides``) -> validated RunConfig. Names are
+    resolved now."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)

@@ -102,6 +102,12 @@ SUMMARY_KEYS = (
     "eval_accuracy_initial",
     "eval_accuracy_final",
     "teacher_accuracy",
+    "reward_mean_first",
+    "reward_mean_last",
+    "admission_wait_s",
+    "in_flight_regenerated_on_resume",
+    "generation_retries",
+    "engine_restarts",
     "run_dir",
 )
 

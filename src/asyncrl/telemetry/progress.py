@@ -1,15 +1,17 @@
-"""Live progress, owned by the driver: step/total, samples/s, lag, ESS, loss, last eval, ETA.
+"""Live progress, owned by the driver: of a run (step/total, samples/s, lag, ESS, loss, last eval,
+ETA) and of a sweep (cells done/total, the running cells' steps, ETA).
 
 The learner runs inside Ray Train workers whose output is not the user's terminal, so the
 learner only writes ``RUN/metrics.jsonl`` and the driver shows it: ``Display.follow`` tails
 that file from a background thread (``MetricsFollower``) into a row of the display. Nothing
 else prints progress, so nothing is printed twice.
 
-``Display`` is the one component every command uses (``run``, ``demo``, ``pretrain``, and
-``sweep`` with a row per run): rows added with ``row(title, total)`` or ``follow(run_dir, ...)``.
-``asyncrl.run(cfg, display=d)`` adds its row to a caller's display, so a sweep shows all its
-runs in one (``with Display() as d: for cfg in configs: asyncrl.run(cfg, display=d)``); rich
-allows one live display at a time, so a caller with a display passes it rather than nesting.
+``Display`` is what ``run``, ``demo`` and ``pretrain`` show: rows added with ``row(title,
+total)`` or ``follow(run_dir, ...)``. ``asyncrl.run(cfg, display=d)`` adds the run's row to a
+caller's display (``with Display() as d: for cfg in configs: asyncrl.run(cfg, display=d)``);
+rich allows one live display at a time, so a caller with a display passes it rather than
+nesting. A sweep shows its grid with ``GridProgress`` (below) and runs its cells with
+``telemetry.progress: false``.
 Three modes, because a live bar is only useful to a person watching a terminal:
 
 - ``rich``: one live bar per row with the latest figures and an ETA (stdout is a TTY);
@@ -27,14 +29,24 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from asyncrl.telemetry import names
 
-__all__ = ["Display", "MetricsFollower", "Progress", "Row", "choose_mode", "format_stats"]
+__all__ = [
+    "Display",
+    "GridProgress",
+    "MetricsFollower",
+    "Progress",
+    "Row",
+    "choose_mode",
+    "format_duration",
+    "format_stats",
+    "sweep_eta",
+]
 
 Mode = Literal["auto", "rich", "plain", "off"]
 
@@ -82,13 +94,6 @@ def format_stats(
     if accuracy is not None and eval_step is not None:
         figures["eval"] += f"@{eval_step}"
     return "  ".join(figures[f] for f in fields)
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, round(seconds))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 class Row:
@@ -140,7 +145,7 @@ class Row:
         if (due or acc is not None or self.step >= self.total) and self._printed_step != self.step:
             self._last_print, self._printed_step = now, self.step
             eta = self.eta_s()
-            tail = f"  eta {_duration(eta)}" if eta is not None and self.step < self.total else ""
+            tail = f"  eta {format_duration(eta)}" if eta is not None and self.step < self.total else ""
             self.display.print(f"[{self.title}] step {self.step}/{self.total}  {stats}{tail}")
 
     def done(self) -> None:
@@ -369,3 +374,177 @@ class MetricsFollower:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+# --- sweeps ---------------------------------------------------------------------------------------
+def format_duration(seconds: float | None) -> str:
+    """``45s``, ``4m10s``, ``2h05m``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def sweep_eta(
+    finished_s: Sequence[float], running: Sequence[tuple[float, float]], waiting: int, concurrency: int = 1
+) -> float | None:
+    """Seconds until a sweep is done, or None before anything can be estimated.
+
+    A cell is estimated to take ``c`` = the mean wall time of the cells finished so far, else the mean
+    over running cells of ``elapsed / fraction done``. A running cell needs the rest of its own
+    extrapolation (``c`` if it has no steps yet); every waiting cell needs ``c``; the work is spread
+    over ``concurrency`` slots. Start-up has no steps, so early extrapolations are optimistic.
+
+    Args:
+        finished_s: wall seconds of the cells run to the end (done or failed) by this invocation.
+        running: (elapsed seconds, fraction of steps done) per running cell.
+        waiting: cells not started yet.
+    """
+    extrapolated = [elapsed / frac for elapsed, frac in running if frac > 0]
+    if finished_s:
+        per_cell = sum(finished_s) / len(finished_s)
+    elif extrapolated:
+        per_cell = sum(extrapolated) / len(extrapolated)
+    else:
+        return None
+    rest = sum(max(0.0, (elapsed / frac if frac > 0 else per_cell) - elapsed) for elapsed, frac in running)
+    return (rest + waiting * per_cell) / max(1, concurrency)
+
+
+class GridProgress:
+    """Show a sweep's progress: ``start(cell, steps)``, ``step(cell, step)``, ``finish(cell, ok=...)``.
+
+    Modes as ``Progress``: a rich bar over the cells (fractional while a cell trains) with the
+    running cells, their steps and the ETA; plain lines at every cell start and end and every
+    ``log_every_s`` seconds; nothing when ``enabled`` is False. Thread-safe: the sweep reports steps
+    from a thread that follows the running cells' ``metrics.jsonl``.
+
+    Args:
+        total: cells in the sweep; ``done`` of them finished before this invocation (not rerun).
+        concurrency: cells run at the same time (for the ETA).
+        clock: seconds, monotonic (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        done: int = 0,
+        concurrency: int = 1,
+        enabled: bool = True,
+        mode: Mode = "auto",
+        stream: IO[str] | None = None,
+        log_every_s: float = 30.0,
+        title: str = "sweep",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total, self.done, self.failed = int(total), int(done), 0
+        self.concurrency = concurrency
+        self.stream = stream if stream is not None else sys.stdout
+        self.mode = choose_mode(mode, quiet=not enabled, stream=self.stream)
+        self.log_every_s = log_every_s
+        self.title = title
+        self.clock = clock
+        self.finished_s: list[float] = []
+        self.running: dict[str, tuple[float, int, int]] = {}  # cell -> (started at, step, steps)
+        self._lock = threading.RLock()
+        self._last_print: float | None = None
+        self._bar: Any = None
+        self._task: Any = None
+        if self.mode == "rich":
+            self._start_rich()
+
+    @property
+    def waiting(self) -> int:
+        return self.total - self.done - self.failed - len(self.running)
+
+    def eta_s(self) -> float | None:
+        now = self.clock()
+        running = [(now - t0, step / steps if steps else 0.0) for t0, step, steps in self.running.values()]
+        return sweep_eta(self.finished_s, running, self.waiting, self.concurrency)
+
+    def status(self) -> str:
+        """``cells 3/10 (1 failed)  ETA 4m10s  running: a 12/60, b 3/60``."""
+        failed = f" ({self.failed} failed)" if self.failed else ""
+        parts = [
+            f"cells {self.done + self.failed}/{self.total}{failed}",
+            f"ETA {format_duration(self.eta_s())}",
+        ]
+        if self.running:
+            parts.append(
+                "running: " + ", ".join(f"{c} {step}/{steps}" for c, (_, step, steps) in self.running.items())
+            )
+        return "  ".join(parts)
+
+    def _start_rich(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=Console(file=self.stream),
+        )
+        self._bar.start()
+        self._task = self._bar.add_task(
+            self.title, total=self.total, completed=self.done, status=self.status()
+        )
+
+    def _show(self, event: str | None = None) -> None:
+        """Refresh the bar, or print ``event`` (a cell started/ended) or a periodic status line."""
+        if self.mode == "rich":
+            fraction = sum(step / steps for _, step, steps in self.running.values() if steps)
+            self._bar.update(self._task, completed=self.done + self.failed + fraction, status=self.status())
+            if event is not None:
+                self._bar.console.print(f"[{self.title}] {event}", markup=False, highlight=False)
+            return
+        if self.mode != "plain":
+            return
+        now = self.clock()
+        if event is None and self._last_print is not None and now - self._last_print < self.log_every_s:
+            return
+        self._last_print = now
+        text = f"{event}  ({self.status()})" if event is not None else self.status()
+        print(f"[{self.title}] {text}", file=self.stream, flush=True)
+
+    def start(self, cell: str, steps: int) -> None:
+        with self._lock:
+            self.running[cell] = (self.clock(), 0, int(steps))
+            self._show(f"start {cell}")
+
+    def step(self, cell: str, step: int) -> None:
+        with self._lock:
+            if cell in self.running:
+                t0, _, steps = self.running[cell]
+                self.running[cell] = (t0, int(step), steps)
+                self._show()
+
+    def finish(self, cell: str, *, ok: bool, note: str = "") -> None:
+        with self._lock:
+            t0, _, _ = self.running.pop(cell, (self.clock(), 0, 0))
+            wall = self.clock() - t0
+            self.finished_s.append(wall)
+            if ok:
+                self.done += 1
+            else:
+                self.failed += 1
+            what = "done" if ok else "FAILED"
+            self._show(f"{what} {cell} in {format_duration(wall)}" + (f": {note}" if note else ""))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._bar is not None:
+                self._bar.stop()
+                self._bar = None
+
+    def __enter__(self) -> GridProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -37,7 +37,22 @@ from asyncrl.telemetry import names
 from asyncrl.telemetry.sinks import read_metrics, read_samples, read_summary
 from asyncrl.telemetry.staleness import lag_bucket
 
-__all__ = ["ReportError", "RunRecords", "default_report_path", "load_run", "render_report", "write_report"]
+__all__ = [
+    "ReportError",
+    "RunRecords",
+    "color",
+    "default_report_path",
+    "figure_section",
+    "html_page",
+    "html_table",
+    "load_run",
+    "load_runs",
+    "not_recorded",
+    "panel_sections",
+    "png_data_uri",
+    "render_report",
+    "write_report",
+]
 
 
 class ReportError(FileNotFoundError):
@@ -117,7 +132,7 @@ _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
 NOT_RECORDED = "not recorded"
 
 
-def _color(i: int) -> str:
+def color(i: int) -> str:
     return _COLORS[i % len(_COLORS)]
 
 
@@ -126,7 +141,7 @@ def _width(i: int) -> float:
     return max(1.0, 2.6 - 0.6 * i)
 
 
-def _not_recorded(ax: Axes, what: str) -> None:
+def not_recorded(ax: Axes, what: str) -> None:
     ax.text(
         0.5, 0.5, f"{NOT_RECORDED}: {what}", ha="center", va="center", transform=ax.transAxes, color="0.4"
     )
@@ -145,7 +160,7 @@ def _lines(
             continue
         marker = "o" if len(s[0]) < 3 else None
         ax.plot(
-            s[0], s[1], style, color=_color(i), lw=_width(i), label=f"{run.name}{suffix}", marker=marker, ms=3
+            s[0], s[1], style, color=color(i), lw=_width(i), label=f"{run.name}{suffix}", marker=marker, ms=3
         )
         drawn = True
     return drawn
@@ -153,7 +168,7 @@ def _lines(
 
 def _finish(ax: Axes, drawn: bool, key: str, xlabel: str, ylabel: str) -> bool:
     if not drawn:
-        _not_recorded(ax, key)
+        not_recorded(ax, key)
         return False
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -191,9 +206,9 @@ def _panel_lag_hist(runs: Sequence[RunRecords]) -> Figure | None:
     bins = np.arange(-0.5, hi + 1.5)
     for i, run in present:
         lags = run.samples["lag"].to_numpy(float)
-        ax.hist(lags[np.isfinite(lags)], bins=bins, histtype="step", lw=2, color=_color(i), label=run.name)
+        ax.hist(lags[np.isfinite(lags)], bins=bins, histtype="step", lw=2, color=color(i), label=run.name)
         if run.max_lag is not None:
-            ax.axvline(run.max_lag + 0.5, color=_color(i), ls=":", lw=1, label=f"{run.name} max_lag")
+            ax.axvline(run.max_lag + 0.5, color=color(i), ls=":", lw=1, label=f"{run.name} max_lag")
     ax.set_xlabel("lag at consumption (learner version - first-token version)")
     ax.set_ylabel("samples")
     ax.grid(alpha=0.3)
@@ -211,7 +226,7 @@ def _panel_lag_time(runs: Sequence[RunRecords]) -> Figure | None:
     for i, run in enumerate(runs):
         s = run.series(names.DROPPED)
         if s is not None:
-            ax_drop.plot(s[0], np.cumsum(s[1]), color=_color(i), lw=_width(i), label=run.name)
+            ax_drop.plot(s[0], np.cumsum(s[1]), color=color(i), lw=_width(i), label=run.name)
             dropped = True
     any_drawn |= _finish(ax_drop, dropped, names.DROPPED, "step", "dropped samples (cumulative)")
     return fig if any_drawn else None
@@ -263,7 +278,7 @@ def _panel_kl_buckets(runs: Sequence[RunRecords]) -> Figure | None:
     xs = np.arange(len(labels))
     for i, (run, kl) in enumerate(zip(runs, per_run)):
         heights = [kl.get(b, np.nan) for b in labels]
-        ax.bar(xs + (i - (len(runs) - 1) / 2) * width, heights, width, color=_color(i), label=run.name)
+        ax.bar(xs + (i - (len(runs) - 1) / 2) * width, heights, width, color=color(i), label=run.name)
     ax.set_xticks(xs, labels)
     ax.set_xlabel("lag bucket")
     ax.set_ylabel("KL(behavior || current) per token")
@@ -355,7 +370,7 @@ _PANELS = (
 )
 
 
-def _png_data_uri(fig: Figure) -> str:
+def png_data_uri(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, metadata={"Software": None})
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
@@ -372,7 +387,7 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>" for row in rows
@@ -398,7 +413,7 @@ def _summary_table(runs: Sequence[RunRecords]) -> str:
     summaries = [_summary_of(r) for r in runs]
     keys = [k for k in names.SUMMARY_KEYS if k != "run_dir" and any(k in s for s in summaries)]
     keys += sorted({k for s in summaries for k in s} - set(names.SUMMARY_KEYS))
-    return _table(["", *[r.name for r in runs]], [[k, *[s.get(k) for s in summaries]] for k in keys])
+    return html_table(["", *[r.name for r in runs]], [[k, *[s.get(k) for s in summaries]] for k in keys])
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -430,7 +445,7 @@ def _config_table(runs: Sequence[RunRecords]) -> str:
     differing = [k for k in all_keys if k != "run_dir" and len({repr(f.get(k)) for f in flat}) > 1]
     keys = [k for k in _KEY_SETTINGS if any(k in f for f in flat)]
     keys += [k for k in differing if k not in keys]
-    return _table(["setting", *[r.name for r in runs]], [[k, *[f.get(k) for f in flat]] for k in keys])
+    return html_table(["setting", *[r.name for r in runs]], [[k, *[f.get(k) for f in flat]] for k in keys])
 
 
 # --- page --------------------------------------------------------------------------------------
@@ -460,22 +475,51 @@ window.addEventListener("load", function () {
 """
 
 
-def render_report(runs: Sequence[str | Path | RunRecords], *, title: str | None = None) -> str:
-    """The HTML page (a string) over ``runs`` (run directories or loaded ``RunRecords``), overlaid."""
-    if not runs:
-        raise ValueError("render_report needs at least one run directory")
-    paths = [r.path if isinstance(r, RunRecords) else Path(r) for r in runs]
-    labels = _unique_names(paths)
-    records = [
-        r if isinstance(r, RunRecords) else load_run(p, name) for r, p, name in zip(runs, paths, labels)
-    ]
-    title = title or "asyncrl report: " + " vs ".join(r.name for r in records)
+def html_page(title: str, body: Sequence[str]) -> str:
+    """A self-contained page: ``title``, the ``body`` HTML fragments, the shared style and the script
+    that marks whether every embedded image decoded."""
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         '<p id="images-warning">Some plots failed to load.</p>',
+        *body,
+        f"<script>{_SCRIPT}</script></body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def figure_section(title: str, caption: str, fig: Figure | None, missing: str) -> str:
+    """One ``<section>``: heading, caption, and the figure as an embedded PNG (or "not recorded: ...")."""
+    parts = [f"<section><h2>{html.escape(title)}</h2>", f"<p class='caption'>{html.escape(caption)}</p>"]
+    if fig is None:
+        parts.append(f"<p class='missing'>{NOT_RECORDED}: {html.escape(missing)}</p>")
+    else:
+        parts.append(f'<img alt="{html.escape(title)}" src="{png_data_uri(fig)}">')
+    parts.append("</section>")
+    return "\n".join(parts)
+
+
+def panel_sections(records: Sequence[RunRecords]) -> list[str]:
+    """The run panels (lag histogram, lag over time, ESS, LR, KL per bucket, ...), runs overlaid."""
+    return [figure_section(p.title, p.caption, p.render(records), p.keys) for p in _PANELS]
+
+
+def load_runs(runs: Sequence[str | Path | RunRecords]) -> list[RunRecords]:
+    """``RunRecords`` for run directories (or records already loaded), named by distinct directory names."""
+    paths = [r.path if isinstance(r, RunRecords) else Path(r) for r in runs]
+    labels = _unique_names(paths)
+    return [r if isinstance(r, RunRecords) else load_run(p, name) for r, p, name in zip(runs, paths, labels)]
+
+
+def render_report(runs: Sequence[str | Path | RunRecords], *, title: str | None = None) -> str:
+    """The HTML page (a string) over ``runs`` (run directories or loaded ``RunRecords``), overlaid."""
+    if not runs:
+        raise ValueError("render_report needs at least one run directory")
+    records = load_runs(runs)
+    title = title or "asyncrl report: " + " vs ".join(r.name for r in records)
+    body = [
         "<p class='caption'>Runs: "
         + ", ".join(f"<b>{html.escape(r.name)}</b> ({html.escape(str(r.path))})" for r in records)
         + f". asyncrl {html.escape(dist_version('asyncrl'))}.</p>",
@@ -484,19 +528,9 @@ def render_report(runs: Sequence[str | Path | RunRecords], *, title: str | None 
         "<h2>Settings</h2>",
         "<p class='caption'>Key settings, and every setting that differs between runs.</p>",
         _config_table(records),
+        *panel_sections(records),
     ]
-    for panel in _PANELS:
-        parts.append(f"<section><h2>{html.escape(panel.title)}</h2>")
-        parts.append(f"<p class='caption'>{html.escape(panel.caption)}</p>")
-        fig = panel.render(records)
-        if fig is None:
-            parts.append(f"<p class='missing'>{NOT_RECORDED}: {html.escape(panel.keys)}</p>")
-        else:
-            alt = html.escape(panel.title)
-            parts.append(f'<img alt="{alt}" src="{_png_data_uri(fig)}">')
-        parts.append("</section>")
-    parts.append(f"<script>{_SCRIPT}</script></body></html>")
-    return "\n".join(parts) + "\n"
+    return html_page(title, body)
 
 
 def default_report_path(run_dirs: Sequence[str | Path]) -> Path:
