@@ -12,82 +12,49 @@ workers, model loading) and evaluation; the start-up cost is printed separately.
     .venv-vllm/bin/python benchmarks/async_vs_sync.py --vllm                # + vLLM engine (vllm env)
 
 Goals (issue #5): (b)/(a) >= 0.85 (the framework costs little), (c)/(b) >= 1.5 on 2 cores.
+The last row is the bound the stage times measured alone imply for ``--cores`` cores
+(``stage_times.py``): what perfect overlap could reach.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from stage_times import Stages, describe, measure_stage_times, throughput_bound
 
-from asyncrl import records as R
 from asyncrl.config import load_config
-from asyncrl.estimators import build as build_estimator
 from asyncrl.pipeline import run
-from asyncrl.plan import load_examples, make_plan, prompt_blocks
-from asyncrl.stages import batch_seed, pad_rollout
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_async.yaml"
 
 
-def plain_loop(cfg, warmup: int = 2) -> dict[str, float]:
-    """Generate, score and train in one process; returns steady-state samples/s."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def plain_loop(
+    cfg, warmup: int = 2, on_step: Callable[[int, torch.nn.Module], None] | None = None
+) -> dict[str, float]:
+    """Generate, score and train in one process; returns steady-state samples/s.
 
-    from asyncrl.caches import CACHES, score_teacher
-    from asyncrl.engines import ENGINES
-
-    torch.set_num_threads(cfg.pipeline.torch_threads)
-    torch.manual_seed(cfg.seed)
-    plan = make_plan(cfg)
-    models = plan.models
-    estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
-    cache = CACHES.get(plan.cache_kind)(**plan.cache_options)
-    tok = AutoTokenizer.from_pretrained(models.student_dir)
-    student = AutoModelForCausalLM.from_pretrained(models.student_dir, dtype=torch.float32)
-    teacher = AutoModelForCausalLM.from_pretrained(models.teacher_dir, dtype=torch.float32).eval()
-    engine = ENGINES.get(cfg.pipeline.engine).from_pretrained(models.student_dir)
-    train_ex, _ = load_examples(cfg)
-    P = max(len(tok(e.prompt)["input_ids"]) for e in train_ex[:2048])
-    blocks = prompt_blocks(cfg, train_ex, tok, P)
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.train.lr)
-    T = cfg.sampling.max_new_tokens
+    Built from ``stage_times.Stages`` (the pipeline's parts as plain calls): per step the engine
+    takes the student's weights, generates, the teacher scores, the learner steps (AdamW with the
+    pipeline's warmup schedule, weight decay and clip). ``on_step(k, student)`` is called after
+    optimizer step ``k`` (1-based), e.g. to time steps or keep the trained model.
+    """
+    stages = Stages(cfg)
     t_start = None
     for step in range(cfg.train.steps):
         if step == warmup:
             t_start = time.perf_counter()
-        b = blocks[step]
-        engine.load_weights({k: v.detach().clone() for k, v in student.state_dict().items()}, step)
-        g = engine.generate(
-            torch.from_numpy(b[R.PROMPT_IDS]),
-            torch.from_numpy(b[R.PROMPT_MASK]).bool(),
-            cfg.sampling,
-            seed=batch_seed(cfg.seed, b[R.SAMPLE_ID]),
-        )
-        batch = {
-            R.PROMPT_IDS: torch.from_numpy(b[R.PROMPT_IDS]),
-            R.PROMPT_MASK: torch.from_numpy(b[R.PROMPT_MASK]).bool(),
-        }
-        batch.update(pad_rollout(g, T, engine.pad_id))
-        batch.update(score_teacher(teacher, batch, cache, seed=batch_seed(cfg.seed + 1, b[R.SAMPLE_ID])))
-        batch = R.trim_to_longest(batch)
-        logits = R.completion_logits(
-            student,
-            batch[R.PROMPT_IDS],
-            batch[R.PROMPT_MASK],
-            batch[R.COMPLETION_IDS],
-            batch[R.COMPLETION_MASK],
-        )
-        out = estimator(logits, batch)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.train.grad_clip)
-        opt.step()
+        stages.sync_engine(step)
+        stages.learn(stages.score(stages.generate(step)), step)
+        if on_step is not None:
+            on_step(step + 1, stages.student)
     dt = time.perf_counter() - t_start
     n = (cfg.train.steps - warmup) * cfg.train.batch_size
     return {"samples_per_s": n / dt, "step_s": dt / (cfg.train.steps - warmup)}
@@ -111,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         action="store_true",
         help="also run (c') max_lag=S with the vLLM engine (run from the vllm env: scripts/vllm_cpu_env.sh)",
     )
+    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU cores of the limit row")
     ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
     args = ap.parse_args(argv)
 
@@ -166,6 +134,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         figures[f"{key}_wall_s"] = s["wall_time_s"]
         figures[f"{key}_lag_max"] = s["lag_max"]
         rows.append((label, s["samples_per_s"], s["wall_time_s"]))
+    times = measure_stage_times(cfg_for("stages", "pipeline.torch_threads=1"))
+    bound = throughput_bound(times, args.batch, args.cores)
+    figures["core_limit_samples_per_s"] = bound["limit"]
+    rows.append((f"{args.cores}-core limit (stage times alone)", bound["limit"], None))
     figures["ratio_sync_over_plain"] = figures["sync_samples_per_s"] / figures["plain_samples_per_s"]
     figures["ratio_async_over_sync"] = figures["async_samples_per_s"] / figures["sync_samples_per_s"]
     if args.deepspeed:
@@ -180,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(f"{'configuration':45s} {'samples/s':>10s} {'wall s (incl. start-up)':>24s}")
     for label, sps, wall in rows:
         print(f"{label:45s} {sps:10.1f} {('' if wall is None else f'{wall:.1f}'):>24s}")
+    print(describe(times, bound, args.cores))
     print(f"(b)/(a) = {figures['ratio_sync_over_plain']:.2f}   (goal >= 0.85)")
     print(f"(c)/(b) = {figures['ratio_async_over_sync']:.2f}   (goal >= 1.5)")
     if args.deepspeed:

@@ -1,7 +1,8 @@
 """Time and peak memory of every estimator (forward + backward) against dense KL, plus cache sizes.
 
-    python benchmarks/estimators.py            # V in {64, 32k, 128k}, B*T = 8*512 = 4096
+    python benchmarks/estimators.py            # V in {64, 32k, 128k, Qwen's 151,936}, B*T = 8*512 = 4096
     python benchmarks/estimators.py --quick    # V in {64, 32k} (CI smoke)
+    python benchmarks/estimators.py --qwen --T 128   # only the real Qwen vocabulary (qwen-tiny's logits)
 
 Method. Each case runs in a fresh subprocess (so no allocator state or earlier peak leaks
 between cases). The child allocates the inputs (student logits [B, T, V] fp32 with
@@ -209,6 +210,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only V in {64, 32768}")
     ap.add_argument("--vocab", type=int, nargs="*", default=None, help="override the vocabulary sizes")
+    ap.add_argument(
+        "--qwen", action="store_true", help="only V = the qwen-tiny preset's logits (Qwen's 151,936)"
+    )
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=512)
     ap.add_argument("--km", type=int, nargs="*", default=[8, 64], help="k (top-k) and m (MC) values")
@@ -223,8 +227,12 @@ def main() -> None:
         return
 
     from asyncrl.caches import bytes_table
+    from asyncrl.workloads.tokenizer import QWEN_MODEL_VOCAB
 
-    vocabs = args.vocab or ([64, 32_768] if args.quick else [64, 32_768, 131_072])
+    if args.qwen:
+        vocabs = [QWEN_MODEL_VOCAB]
+    else:
+        vocabs = args.vocab or ([64, 32_768] if args.quick else [64, 32_768, 131_072, QWEN_MODEL_VOCAB])
     B, T = args.B, args.T
     print(
         f"# estimators forward+backward, B={B} T={T} (B*T={B * T}), fp32 logits, chunk_size={args.chunk}, "
@@ -279,7 +287,7 @@ def main() -> None:
         "+inputs = with the engine's mc_ids/mc_behavior_logprobs that exist only for the cache)"
     )
     kinds = None
-    for V in sorted(set(vocabs) | {151_936}):
+    for V in sorted(set(vocabs) | {QWEN_MODEL_VOCAB}):
         for km in args.km:
             table = bytes_table(V, km, km)
             full = bytes_table(V, km, km, include_inputs=True)

@@ -26,7 +26,7 @@ import yaml
 
 from asyncrl.configurable import check, field
 from asyncrl.controllers import CONTROLLERS, SampleInfo, StepContext, build_chain, scaled_lr
-from asyncrl.controllers.functional import kl_k3, masked_mean
+from asyncrl.logratio import kl_qp_k3, masked_mean
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class KLGuard:
         self._last: dict[str, float] = {}
 
     def token_weights(self, ctx: StepContext) -> torch.Tensor:
-        k3 = masked_mean(kl_k3(ctx.log_ratio.detach()), ctx.mask, dim=-1)  # [B]
+        k3 = masked_mean(kl_qp_k3(ctx.behavior_logprobs, ctx.logprobs), ctx.mask, dim=-1)  # KL(b||theta) [B]
         ok = k3 <= self.config.max_k3
         self.masked_total += int((~ok).sum())
         self._last = {"kl_guard/masked": float((~ok).sum()), "kl_guard/k3_max": float(k3.max())}

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.ray
 
 
 def plain_loop_losses(cfg) -> list[float]:
-    """The same components in one process, no Ray: generate -> score -> loss -> step."""
+    """The same components in one process, no Ray: generate -> score -> loss -> step, with
+    ``train.minibatches`` = N steps per generated batch, each on the next 1/N of its rows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.caches import CACHES, score_teacher
@@ -44,9 +45,11 @@ def plain_loop_losses(cfg) -> list[float]:
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     T = cfg.sampling.max_new_tokens
     losses = []
-    for step in range(cfg.train.steps):
-        b = blocks[step]
-        engine.load_weights({k: v.detach().clone() for k, v in student.state_dict().items()}, step)
+    N = cfg.train.minibatches
+    for rollout in range(cfg.train.steps // N):
+        b = blocks[rollout]
+        state = {k: v.detach().clone() for k, v in student.state_dict().items()}
+        engine.load_weights(state, rollout * N)
         g = engine.generate(
             torch.from_numpy(b[R.PROMPT_IDS]),
             torch.from_numpy(b[R.PROMPT_MASK]),
@@ -64,27 +67,31 @@ def plain_loop_losses(cfg) -> list[float]:
             if k in g:
                 batch[k] = pad_to(g[k], T, engine.pad_id if k == R.MC_IDS else 0.0)
         batch.update(score_teacher(teacher, batch, cache, seed=batch_seed(cfg.seed + 1, b[R.SAMPLE_ID])))
-        t_eff = max(int(batch[R.COMPLETION_MASK].sum(1).max()), 1)
-        for k, col in R.COLUMNS.items():
-            if k in batch and len(col.dims) >= 2 and col.dims[1] == "T":
-                batch[k] = batch[k][:, :t_eff]
-        logits = R.completion_logits(
-            student,
-            batch[R.PROMPT_IDS],
-            batch[R.PROMPT_MASK],
-            batch[R.COMPLETION_IDS],
-            batch[R.COMPLETION_MASK],
-        )
-        out = estimator(logits, batch)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        if cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.train.grad_clip)
-        warm = cfg.train.warmup_steps
-        for group in opt.param_groups:  # linear warmup, then constant
-            group["lr"] = cfg.train.lr * (min(1.0, (step + 1) / warm) if warm > 0 else 1.0)
-        opt.step()
-        losses.append(float(out.loss.detach()))
+        m = len(b[R.SAMPLE_ID]) // N
+        for k in range(N):
+            step = rollout * N + k
+            mb = {key: col[k * m : (k + 1) * m] for key, col in batch.items()}
+            t_eff = max(int(mb[R.COMPLETION_MASK].sum(1).max()), 1)
+            for key, col in R.COLUMNS.items():
+                if key in mb and len(col.dims) >= 2 and col.dims[1] == "T":
+                    mb[key] = mb[key][:, :t_eff]
+            logits = R.completion_logits(
+                student,
+                mb[R.PROMPT_IDS],
+                mb[R.PROMPT_MASK],
+                mb[R.COMPLETION_IDS],
+                mb[R.COMPLETION_MASK],
+            )
+            out = estimator(logits, mb)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.train.grad_clip)
+            warm = cfg.train.warmup_steps
+            for group in opt.param_groups:  # linear warmup, then constant
+                group["lr"] = cfg.train.lr * (min(1.0, (step + 1) / warm) if warm > 0 else 1.0)
+            opt.step()
+            losses.append(float(out.loss.detach()))
     return losses
 
 
@@ -100,10 +107,38 @@ def test_sync_reproduces_plain_loop(ray_local, tiny_pair, tmp_path):
     np.testing.assert_allclose(losses, ref, atol=1e-5, rtol=0)
 
 
+def test_minibatches_count_versions_and_keep_sync_parity(ray_local, tiny_pair, tmp_path):
+    """``train.minibatches=2`` at max_lag 0: each generated batch takes two optimizer steps (the
+    version counts steps), the first on-policy, the second one version later (PPO-style), and the
+    losses still match the plain loop doing the same."""
+    cfg = tiny_config(
+        tmp_path / "mb2", "pipeline.max_lag=0", "train.minibatches=2", "train.steps=8", "train.eval_every=0"
+    )
+    result = run(cfg)
+    samples = read_samples(result.run_dir)
+    assert len(samples) == 8 * cfg.train.batch_size // 2 and samples["kept"].all()
+    assert sorted(samples["learner_version"].unique()) == list(range(8))
+    # rollout batch r: generated with v = 2r, its mini-batches trained at 2r and 2r + 1
+    assert (samples["version_first"] == samples["learner_version"] - samples["learner_version"] % 2).all()
+    assert (samples["lag"] == samples["learner_version"] % 2).all()
+    first = samples[samples["lag"] == 0]
+    assert np.abs(first["kl_behavior_current"]).max() < 1e-4
+    assert np.abs(samples[samples["lag"] == 1]["kl_behavior_current"]).max() > 1e-6  # the step moved pi
+    metrics = [m for m in read_metrics(result.run_dir) if "loss" in m]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    np.testing.assert_allclose([m["loss"] for m in metrics], plain_loop_losses(cfg), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("max_lag", [0, 2])
 def test_opd_respects_bound_and_learns(ray_local, small_pair, tmp_path, max_lag):
-    """The demo config (small preset, forward KL on the teacher top-16, 60 steps)."""
-    cfg = tiny_config(tmp_path / f"lag{max_lag}", f"pipeline.max_lag={max_lag}", config="opd_async.yaml")
+    """The demo config (small preset, forward KL on the teacher top-16), 60 steps."""
+    cfg = tiny_config(
+        tmp_path / f"lag{max_lag}",
+        f"pipeline.max_lag={max_lag}",
+        "train.steps=60",
+        "train.eval_every=20",
+        config="opd_async.yaml",
+    )
     result = run(cfg)
     samples = read_samples(result.run_dir)
     kept = samples[samples["kept"]]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.backends import TorchBackend, make_backend, scheduled_lr
+from asyncrl.checkpoint import read_state, write_state
 from asyncrl.config import TrainConfig
 
 pytestmark = pytest.mark.deepspeed
@@ -131,13 +132,13 @@ def test_checkpoint_round_trip_continues_identically(tmp_path):
     first = ds_backend(tc)
     train_steps(first, tc, range(3))
     first.module.save_pretrained(tmp_path / "model", safe_serialization=True)
-    torch.save(first.state_dict(), tmp_path / "backend_rank0.pt")
+    write_state(tmp_path, "backend_rank0", first.state_dict())  # JSON + safetensors: no pickle
     want = train_steps(first, tc, range(3, 6))
 
     from transformers import AutoModelForCausalLM
 
     resumed = ds_backend(tc, AutoModelForCausalLM.from_pretrained(tmp_path / "model"))
-    resumed.load_state_dict(torch.load(tmp_path / "backend_rank0.pt", weights_only=False))
+    resumed.load_state_dict(read_state(tmp_path, "backend_rank0"))
     assert resumed.engine.global_steps == 3
     got = train_steps(resumed, tc, range(3, 6))
     assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-6)

@@ -75,12 +75,12 @@ def test_each_kind_writes_its_columns_and_validates(dtype) -> None:
 
 
 def test_bytes_per_token() -> None:
-    assert C.TopKCache(k=64).bytes_per_token() == 8 * 64
+    assert C.TopKCache(k=64).bytes_per_token() == 8 * 64 + 4  # ids, log-probs, log tail mass
     assert C.BehaviorMCCache().bytes_per_token(m=64) == 4 * 64
     assert C.BehaviorMCCache().bytes_per_token(m=64, include_inputs=True) == 12 * 64
     assert C.TokenCache().bytes_per_token() == 4
     assert C.TeacherMCCache(m=64).bytes_per_token() == 8 * 64
-    assert C.TopKBehaviorMCCache(k=64).bytes_per_token(m=16) == 8 * 64 + 4 * 16
+    assert C.TopKBehaviorMCCache(k=64).bytes_per_token(m=16) == 8 * 64 + 4 + 4 * 16
     assert C.DenseCache().bytes_per_token(vocab_size=151_936) == 4 * 151_936
     with pytest.raises(ValueError, match="m"):
         C.BehaviorMCCache().bytes_per_token()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,7 @@ def test_demo_table_tolerates_missing_figures() -> None:
 def test_demo_runs_sync_and_async_and_writes_the_overlaid_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from asyncrl import pipeline as pipeline_module
     from asyncrl.workloads import pretrain as pretrain_module
 
     calls: dict[str, object] = {}
@@ -157,8 +159,15 @@ def test_demo_runs_sync_and_async_and_writes_the_overlaid_report(
         run = write_fake_run(Path(cfg.run_dir), max_lag=cfg.pipeline.max_lag, steps=cfg.train.steps)
         return SimpleNamespace(run_dir=run, summary=read_summary(run), config=cfg)
 
+    @contextlib.contextmanager
+    def fake_session(cfg):  # both runs share one Ray instance
+        calls["session"] = "open"
+        yield
+        calls["session"] = f"closed after {len(calls['runs'])} runs"
+
     monkeypatch.setattr(pretrain_module, "pretrain", fake_pretrain)
     monkeypatch.setattr(asyncrl, "run", fake_run)
+    monkeypatch.setattr(pipeline_module, "ray_session", fake_session)
     root = tmp_path / "demo"
     argv = ["demo", "--quiet", "--preset", "tiny", "--steps", "3", "--run-root", str(root), "train.lr=0.002"]
     assert main(argv) == 0
@@ -169,6 +178,7 @@ def test_demo_runs_sync_and_async_and_writes_the_overlaid_report(
         "seed": 0,
         "progress": False,
     }
+    assert calls["session"] == "closed after 2 runs"
     sync, asyn = calls["runs"]
     assert (sync.pipeline.max_lag, asyn.pipeline.max_lag) == (0, cli.DEMO_MAX_LAG)
     assert (Path(sync.run_dir), Path(asyn.run_dir)) == (root / "sync", root / "async")

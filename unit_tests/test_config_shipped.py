@@ -11,7 +11,14 @@ from asyncrl.config import RunConfig, load_config
 from asyncrl.plan import check_components
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
-SHIPPED = ("grpo.yaml", "opd_async.yaml", "opd_reverse_kl_mc.yaml", "opd_sync.yaml", "opd_tiny.yaml")
+SHIPPED = (
+    "grpo.yaml",
+    "opd_async.yaml",
+    "opd_reverse_kl_mc.yaml",
+    "opd_sync.yaml",
+    "opd_tiny.yaml",
+    "soak.yaml",
+)
 
 
 def test_the_shipped_set() -> None:

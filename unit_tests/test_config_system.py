@@ -197,3 +197,41 @@ def test_validate_missing_file_exits_2(capsys: pytest.CaptureFixture[str], tmp_p
     bad.write_text("- 1\n- 2\n")
     assert main(["validate", str(bad)]) == 2
     assert "top level must be a mapping" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("task", "budget"), [("addition", 4), ("running_sum", 33), ("running_sum_long", 129)]
+)
+def test_max_new_tokens_auto_is_sized_from_the_task(tmp_path: Path, task: str, budget: int) -> None:
+    """The default (auto) becomes the longest answer in tokens + EOS; a number given is kept."""
+    from asyncrl.config import resolve_auto
+
+    base = [f"workload.task={task}", "workload.preset=tiny", f"workload.cache_dir={tmp_path}"]
+    cfg = load_config(None, base)
+    assert cfg.sampling.max_new_tokens == budget and resolve_auto(cfg) is cfg
+    assert load_config(None, [*base, "sampling.max_new_tokens=7"]).sampling.max_new_tokens == 7
+    assert RunConfig().sampling.max_new_tokens == "auto"
+    assert resolve_auto(RunConfig(workload=cfg.workload)).sampling.max_new_tokens == budget
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        load_config(None, [*base, "sampling.max_new_tokens=0"])
+
+
+def test_max_new_tokens_auto_uses_the_student_tokenizer(tmp_path: Path) -> None:
+    """A student on disk decides how answers tokenize; one without a tokenizer fails naming the fix."""
+    from asyncrl.workloads.tokenizer import qwen_tokenizer
+
+    qwen_tokenizer().save_pretrained(tmp_path / "student")
+    cfg = load_config(None, ["workload.task=running_sum", f"workload.student_path={tmp_path / 'student'}"])
+    assert cfg.sampling.max_new_tokens == 33
+    with pytest.raises(FileNotFoundError, match=r"student_path.*sampling\.max_new_tokens"):
+        load_config(None, [f"workload.student_path={tmp_path / 'missing'}"])
+
+
+def test_engines_refuse_an_unresolved_max_new_tokens() -> None:
+    import torch
+
+    from asyncrl.engines.base import SamplingParams, check_prompts
+
+    ids, mask = torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"max_new_tokens='auto'.*pass max_new_tokens=N"):
+        check_prompts(ids, mask, SamplingParams(), 10, ("ctx", None))

@@ -142,18 +142,33 @@ def test_lr_scale_product_applied_once_and_logged():  # 7.7 b
     assert opt.param_groups[0]["lr"] == 0.1
 
 
+class LooseAdmission:
+    """Admits two rollout batches in flight (AReaL's capacity rule for S = 1), blind to the two
+    mini-batch steps per batch, and gates with ``BoundedStaleness(1)``: the gate has work to do."""
+
+    def __init__(self) -> None:
+        self.bound = BoundedStaleness(max_lag=1)
+
+    def admit(self, req) -> bool:
+        return req.in_flight + req.n <= 2 * req.batch_size
+
+    def keep(self, info, learner_version):
+        return self.bound.keep(info, learner_version)
+
+
 def test_replaying_recorded_verdicts_reproduces_them():  # 7.7 c
     cfg = SimConfig(
         max_lag=1,
         batch_size=4,
         group_size=2,
+        minibatches=2,
         generators=6,
-        steps=15,
+        steps=16,
         gen_dist="pareto",
         step_sigma=0.5,
         seed=3,
     )
-    result = simulate(cfg)
+    result = simulate(cfg, controller=chain(LooseAdmission()))
     assert any((~call["keep"]).any() for call in result.keep_calls)  # the trace has drops to replay
     fresh = chain(BoundedStaleness(max_lag=1))
     for call in result.keep_calls:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from asyncrl.configurable import ConfigError
 from asyncrl.controllers import StepContext, TruncatedIS, build
-from asyncrl.controllers.functional import LOG_RATIO_CLAMP, truncated_is_weights
+from asyncrl.controllers.functional import truncated_is_weights
+from asyncrl.logratio import LOG_RATIO_CLAMP
 
 torch.set_num_threads(1)
 SETTINGS = settings(max_examples=40, deadline=None)

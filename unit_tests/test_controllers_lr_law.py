@@ -89,12 +89,15 @@ def test_two_constraint_measures_drift_and_caps_the_lr():
     law = StalenessLRLaw(mode="two_constraint", r_batch=0.2, c_safety=0.5)
     # step 0..2: fresh batches (no drift information) -> no caps
     for step in range(3):
-        assert law.lr_scale(ctx([0, 0], step=step, base_lr=0.1)) == 1.0
-        law.after_step(ctx([0, 0], step=step, base_lr=0.1))
+        c = ctx([0, 0], step=step, base_lr=0.1)
+        assert law.lr_scale(c) == 1.0
+        c.lr_applied = 0.1
+        law.after_step(c)
     assert law.g_hat is None
     # step 3: tokens 2 versions old whose log-prob moved by 0.4 -> drift 0.2 per step at lr 0.1 -> G = 2
     c3 = ctx([2, 2], step=3, base_lr=0.1, log_ratio=0.4)
     law.lr_scale(c3)
+    c3.lr_applied = 0.1
     law.after_step(c3)
     assert law.g_hat == pytest.approx(2.0)
     assert law.metrics()["law/drift_step"] == pytest.approx(0.2)
@@ -170,3 +173,28 @@ def test_bucket_table_validation():
         build("lag_bucket_decay", {"table": [[1, 1.0]]})
     ctrl = build("lag_bucket_decay", {"table": [[0, 1.0], [3, 0.5]], "stat": "max"})
     assert ctrl.factor(3) == 0.5
+
+
+def test_two_constraint_measures_drift_per_unit_of_the_lr_the_chain_applied():
+    """Issue 12 item 2: chained after ess_lr, the law estimates G from the LR actually applied
+    (scheduled x every controller's scale, ``ctx.lr_applied``), not from its own scale."""
+    from asyncrl.controllers import chain
+
+    law = StalenessLRLaw(mode="two_constraint", r_batch=0.2, c_safety=0.5)
+    c = chain(build("ess_lr", {}), law)
+    rng = torch.Generator().manual_seed(0)
+    applied, noise = [], []
+    for step in range(3):
+        noise.append(0.8 * torch.randn(6, 1, generator=rng, dtype=torch.float64))  # uneven: ESS < 1
+        cx = ctx([0] * 6 if step < 2 else [2] * 6, step=step, base_lr=0.1, log_ratio=noise[-1])
+        scale = c.lr_scale(cx)
+        cx.lr_applied = 0.1 * scale
+        applied.append(cx.lr_applied)
+        c.after_step(cx)
+    assert list(law.lr_history) == applied
+    assert applied[0] < 0.1 * 0.9  # ess_lr scaled it down: the law's own scale (1) would say 0.1
+    # step 2: tokens 2 versions old drifted |log ratio| / 2 per step, over steps 0 and 1 at their applied LR
+    drift = float(noise[2].abs().mean()) / 2
+    assert law.g_hat == pytest.approx(drift / ((applied[0] + applied[1]) / 2), rel=1e-12)
+    with pytest.raises(ValueError, match="lr_applied"):
+        StalenessLRLaw(mode="two_constraint").after_step(ctx([1], step=1))

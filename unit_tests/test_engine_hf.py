@@ -270,3 +270,29 @@ def test_bad_inputs_raise_clear_errors() -> None:
         eng.generate(ids, mask, {"max_new_tokens": 4}, seed=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="version"):
         HFEngine(_model(), TOK, version=-2)
+
+
+def test_full_length_rollout_trains_in_a_plain_loop() -> None:
+    """Every row reaches max_new_tokens (no EOS), so ``pad_rollout`` has nothing to pad and hands the
+    engine's own tensors on: they must be normal tensors, not ``inference_mode`` ones, or the
+    importance ratio below fails with "Inference tensors cannot be saved for backward"."""
+    from asyncrl.stages import pad_rollout
+
+    model = _with_eos_bias(_model(), -1e4)  # EOS is never drawn: every row runs to the limit
+    ids, mask = _prompts()
+    params = SamplingParams(max_new_tokens=6, mc_samples=2)
+    out = HFEngine(model, TOK).generate(ids, mask, params, seed=3)
+    assert bool(out["completion_mask"].all()) and out["completion_ids"].shape[1] == 6
+    out = pad_rollout(out, params.max_new_tokens, PAD_ID)
+    assert not any(v.is_inference() for v in out.values())
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(2):  # plain loop: PPO-style ratio against the behavior log-probs
+        z = records.completion_logits(model, ids, mask, out["completion_ids"], out["completion_mask"])
+        lp = torch.log_softmax(z, -1).gather(-1, out["mc_ids"])  # [B, T, m]
+        ratio = (lp - out["mc_behavior_logprobs"]).exp()
+        loss = -(ratio * out["completion_mask"][..., None]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

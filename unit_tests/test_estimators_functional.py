@@ -54,12 +54,13 @@ def test_full_support_equals_dense(tail: str, direction: str) -> None:
     V = 12
     z, zt = _setup(V, seed=1)
     ids = _support(V, V, seed=2)  # a permutation: every id once
-    lp = _teacher_lp(zt, ids)
+    lp, lt = F.gather_logprobs_and_log_tail(zt, ids)  # as the top-k cache stores them
+    assert lt.item() == F.LOG_TAIL_FLOOR  # an empty tail
     if direction == "forward":
-        sparse = lambda z: F.forward_kl_topk(z, ids, lp, tail=tail)  # noqa: E731
+        sparse = lambda z: F.forward_kl_topk(z, ids, lp, tail=tail, teacher_log_tail=lt)  # noqa: E731
         dense = lambda z: F.forward_kl_dense(z, zt)  # noqa: E731
     else:
-        sparse = lambda z: F.reverse_kl_topk(z, ids, lp, tail=tail)  # noqa: E731
+        sparse = lambda z: F.reverse_kl_topk(z, ids, lp, tail=tail, teacher_log_tail=lt)  # noqa: E731
         dense = lambda z: F.reverse_kl_dense(z, zt)  # noqa: E731
     torch.testing.assert_close(sparse(z), dense(z), atol=1e-10, rtol=0)
     torch.testing.assert_close(_grad(sparse, z), _grad(dense, z), atol=1e-10, rtol=0)
@@ -226,6 +227,51 @@ def test_log_tail_mass_finite_when_support_holds_all_mass(dtype: torch.dtype) ->
     part = lp[:, :10].detach()
     expect = torch.log(1 - part.exp().sum(-1))
     torch.testing.assert_close(F.log_tail_mass(part), expect, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("direction", "tail_s", "tail_t"),
+    [("forward", -22.0, -7.0), ("reverse", -11.0, -29.0)],  # tail logits (head logits near 0..2)
+)
+def test_bucket_tail_exact_in_fp32_for_tiny_tails(direction: str, tail_s: float, tail_t: float) -> None:
+    """Item 7 of issue 12: fp32 logits with a tiny tail (student ~1e-10 for FKL, whose tail term
+    is weighted by the teacher's; teacher ~1e-13 for RKL, whose term compares the two). The
+    estimator on an fp32 top-k cache gives the fp64 exact bucket gradient; the tails derived as
+    1 − Σ exp(lp) from the fp32 head (the old cache) give the wrong sign resp. a third of it."""
+    from asyncrl import records as R
+    from asyncrl.caches import TopKCache
+    from asyncrl.estimators import build
+
+    k = 4
+    head = torch.tensor([2.0, 1.0, 0.5, 0.0], dtype=f64)
+    jitter = torch.tensor([0.0, -1.0, -0.5, 0.7], dtype=f64)
+    zs = torch.cat([head, tail_s + jitter]).view(1, 1, -1)
+    zt = torch.cat([head * 0.8, tail_t + jitter.flip(0)]).view(1, 1, -1)
+    ids = torch.arange(k).view(1, 1, k)  # the teacher's top-k
+
+    def exact(z: torch.Tensor) -> torch.Tensor:  # the bucket bound in fp64 from full distributions
+        lq, lp = torch.log_softmax(z, -1), torch.log_softmax(zt, -1)
+        lt_q, lt_p = torch.logsumexp(lq[..., k:], -1), torch.logsumexp(lp[..., k:], -1)
+        hq, hp = lq[..., :k], lp[..., :k]
+        if direction == "forward":
+            return (hp.exp() * (hp - hq)).sum(-1) + lt_p.exp() * (lt_p - lt_q)
+        return (hq.exp() * (hq - hp)).sum(-1) + lt_q.exp() * (lt_q - lt_p)
+
+    want = _grad(exact, zs)
+    batch = {R.COMPLETION_MASK: torch.ones(1, 1, dtype=torch.bool)}
+    batch.update(TopKCache(k=k).build(zt.float(), batch))
+    assert torch.equal(batch[R.TEACHER_TOPK_IDS].long(), ids)
+    z32 = zs.float().requires_grad_(True)
+    build(f"{direction}_kl", {"tail": "bucket"})(z32, batch).loss.backward()
+    got = z32.grad.double()
+    assert torch.equal(torch.sign(got[..., k:]), torch.sign(want[..., k:]))
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-9)
+    # the same bound with both tails derived from the fp32 head, as before the fix
+    fn = F.forward_kl_topk_from_logprobs if direction == "forward" else F.reverse_kl_topk_from_logprobs
+    lp32 = batch[R.TEACHER_TOPK_LOGPROBS]
+    old = _grad(lambda z: fn(F.gather_logprobs(z, ids), lp32, tail="bucket"), zs.float()).double()
+    off = (old[..., k:] - want[..., k:]).abs() / want[..., k:].abs()
+    assert (off > 0.5).all(), off
 
 
 def test_log1mexp_matches_naive_and_is_accurate_at_both_ends() -> None:

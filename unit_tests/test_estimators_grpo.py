@@ -142,7 +142,7 @@ def test_grpo_metrics_and_options() -> None:
         build("grpo", {"scale": "mean"})
 
 
-def test_grpo_kl_penalty_needs_ref_logprobs_and_adds_k3() -> None:
+def test_grpo_kl_penalty_needs_ref_logprobs_and_is_a_policy_gradient_term() -> None:
     z, batch = _batch(2)
     est = GRPO(kl_coef=0.1)
     assert "ref_logprobs" in est.required_columns()
@@ -152,8 +152,44 @@ def test_grpo_kl_penalty_needs_ref_logprobs_and_adds_k3() -> None:
     ref = lq - 0.3
     with_kl = est(z, {**batch, "ref_logprobs": ref})
     without = GRPO()(z, batch)
-    k3 = math.exp(-0.3) + 0.3 - 1
-    torch.testing.assert_close(with_kl.loss - without.loss, torch.tensor(0.1 * k3, dtype=f64))
-    assert abs(with_kl.metrics["est/kl_ref"] - k3) < 1e-9
+    # per token β·ρ·(log π_θ − log π_ref) with ρ = π_θ/π_b, token mean over valid tokens
+    mask = batch[R.COMPLETION_MASK]
+    rho = (lq - batch[R.BEHAVIOR_LOGPROBS]).exp()
+    expect = 0.1 * (rho * 0.3 * mask).sum() / mask.sum()
+    torch.testing.assert_close(with_kl.loss - without.loss, expect)
+    assert abs(with_kl.metrics["est/kl_ref"] - (math.exp(-0.3) + 0.3 - 1)) < 1e-9  # k3 value
     with pytest.raises(ValueError, match="ref_logprobs"):
         est(z, {**batch, "ref_logprobs": ref.abs() + 0.5})  # positive log-probs
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_grpo_kl_penalty_gradient_is_grad_kl_theta_ref_by_exact_enumeration(stale: bool) -> None:
+    """Item 9 of issue 12: the expected gradient of the penalty is ∇KL(π_θ‖π_ref), the direction the
+    docstring promises; the k3 pathwise gradient it replaced is ∇KL(π_ref‖π_θ)."""
+    V = 7
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(V, dtype=f64, generator=g).requires_grad_(True)
+    lref = torch.log_softmax(torch.randn(V, dtype=f64, generator=g), -1)
+    lq = torch.log_softmax(z, -1)
+    lb = torch.log_softmax(z.detach() + (0.8 * torch.randn(V, dtype=f64, generator=g) if stale else 0.0), -1)
+    ids = torch.arange(V)
+    batch = {  # one row per token y of the vocabulary; the expectation over y ~ π_b by weights
+        R.COMPLETION_IDS: ids[:, None],
+        R.COMPLETION_MASK: torch.ones(V, 1, dtype=torch.bool),
+        R.BEHAVIOR_LOGPROBS: lb[:, None],
+        R.REWARD: torch.zeros(V, dtype=f64),  # one zero-variance group: the PG term is exactly 0
+        R.GROUP_ID: torch.zeros(V, dtype=torch.long),
+        "ref_logprobs": lref[:, None],
+    }
+    prob = (V * lb.exp())[:, None]  # token_mean / V  ->  Σ_y π_b(y) (...)
+    out = GRPO(kl_coef=1.0, clip_eps=None)(z.expand(V, 1, V), batch, token_weights=prob)
+    (grad,) = torch.autograd.grad(out.loss, z)
+    (want,) = torch.autograd.grad((lq.exp() * (lq - lref)).sum(), z, retain_graph=True)  # ∇KL(π_θ‖π_ref)
+    (other,) = torch.autograd.grad((lref.exp() * (lref - lq)).sum(), z, retain_graph=True)  # ∇KL(π_ref‖π_θ)
+    assert (grad - want).abs().max() < 1e-14
+    assert (want - other).abs().max() > 0.05
+    # the old per-token k3 term, on-policy (y ~ π_θ): its expected gradient is the other direction
+    from asyncrl.logratio import kl_qp_k3
+
+    (k3_grad,) = torch.autograd.grad((lq.exp().detach() * kl_qp_k3(lq, lref)).sum(), z)
+    assert (k3_grad - other).abs().max() < 1e-14

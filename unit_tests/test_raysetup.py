@@ -1,13 +1,128 @@
-"""The environment asyncrl gives Ray's processes."""
+"""The executor patch of ``asyncrl.raysetup``, without a Ray cluster: the first-ready wait, the
+import hook that applies it lazily, and the runtime environment that carries it (and the
+environment asyncrl gives Ray's worker processes)."""
 
 from __future__ import annotations
 
-from asyncrl.raysetup import RAY_ENV, TICK_ENV, WORKER_ENV, runtime_env
+import sys
+import types
+
+import pytest
+
+from asyncrl import raysetup
+
+
+class _FakeRay:
+    """``ray.wait`` over refs that are ints: a ref is ready iff it is in ``self.ready``."""
+
+    def __init__(self, ready: set[int]) -> None:
+        self.ready = ready
+        self.calls: list[tuple[int, float | None]] = []
+        self.other = "passed through"
+
+    def wait(self, refs, *, num_returns=1, timeout=None, fetch_local=True):
+        self.calls.append((num_returns, timeout))
+        ready = [r for r in refs if r in self.ready][:num_returns]
+        return ready, [r for r in refs if r not in ready]
+
+
+def test_first_ready_wait_returns_every_ready_ref_after_the_first():
+    fake = _FakeRay(ready={2, 3})
+    ready, rest = raysetup.FirstReadyRay(fake).wait(
+        [1, 2, 3, 4], num_returns=4, timeout=0.1, fetch_local=False
+    )
+    assert sorted(ready) == [2, 3] and sorted(rest) == [1, 4]
+    # one blocking wait for the first ready ref, then a non-blocking sweep of the rest
+    assert fake.calls == [(1, 0.1), (3, 0)]
+
+
+def test_first_ready_wait_times_out_with_nothing_and_passes_other_names_through():
+    fake = _FakeRay(ready=set())
+    stand_in = raysetup.FirstReadyRay(fake)
+    assert stand_in.wait([1, 2], num_returns=2, timeout=0.1) == ([], [1, 2])
+    assert stand_in.other == "passed through"
+
+
+def test_when_imported_patches_at_first_import(tmp_path, monkeypatch):
+    (tmp_path / "asyncrl_probe_mod.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    raysetup.when_imported("asyncrl_probe_mod", lambda m: (seen.append(m.VALUE), setattr(m, "VALUE", 2)))
+    try:
+        assert seen == []  # nothing imported yet
+        import asyncrl_probe_mod
+
+        assert seen == [1] and asyncrl_probe_mod.VALUE == 2
+        assert not any(isinstance(f, raysetup._PatchOnImport) for f in sys.meta_path)  # one-shot
+    finally:
+        sys.modules.pop("asyncrl_probe_mod", None)
+
+
+def test_when_imported_patches_an_imported_module_now():
+    module = types.ModuleType("asyncrl_probe_loaded")
+    sys.modules[module.__name__] = module
+    try:
+        raysetup.when_imported(module.__name__, lambda m: setattr(m, "patched", True))
+        assert module.patched is True
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_patch_executor_sets_the_idle_bound_and_the_wait():
+    import time
+
+    import ray
+
+    module = types.ModuleType("executor_state_like")
+    module.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = 0.1
+    module.ray = ray
+    module.time = time
+    raysetup.patch_executor(module, 0.25)
+    assert module.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == 0.25
+    assert isinstance(module.ray, raysetup.FirstReadyRay)
+    assert module.time.time() > 0  # everything else passes through
+    t0 = time.perf_counter()
+    module.time.sleep(0.01)  # the consumer's poll: shortened to CONSUMER_POLL_S
+    assert time.perf_counter() - t0 < 0.01
+
+
+def test_patch_executor_fails_loudly_on_an_unknown_ray():
+    with pytest.raises(RuntimeError, match=r"pin ray==2\.60\.0"):
+        raysetup.patch_executor(types.ModuleType("not_the_executor"), 0.1)
+
+
+def test_the_pinned_ray_has_what_the_patch_replaces():
+    from ray.data._internal.execution import streaming_executor_state as ses
+
+    assert hasattr(ses, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S")
+    import inspect
+    import time
+
+    import ray
+
+    assert ses.ray is ray or isinstance(ses.ray, raysetup.FirstReadyRay)
+    assert ses.time is time or isinstance(ses.time, raysetup.ShortSleepTime)
+    # the module's only sleep is the consumer's poll (what ShortSleepTime shortens)
+    assert inspect.getsource(ses).count("time.sleep(") == 1
+
+
+def test_runtime_env_carries_the_hook_unless_disabled():
+    env = raysetup.runtime_env({"A": "1"}, 0.05)
+    assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
+    assert env["env_vars"] == {
+        "A": "1",
+        **raysetup.WORKER_ENV,
+        raysetup.TICK_ENV: "0.05",
+        "RAY_DATA_METADATA_PREFETCH_ON_THREAD": "0",
+    }
+    assert raysetup.runtime_env({"A": "1"}, None) == {"env_vars": {"A": "1", **raysetup.WORKER_ENV}}
 
 
 def test_workers_never_auto_start_a_ray_instance_and_get_the_tick() -> None:
-    env = runtime_env(dict(RAY_ENV), 0.01)
-    assert env["env_vars"]["RAY_ENABLE_AUTO_CONNECT"] == "0" and WORKER_ENV.items() <= env["env_vars"].items()
-    assert env["env_vars"][TICK_ENV] == "0.01"
+    env = raysetup.runtime_env(dict(raysetup.RAY_ENV), 0.01)
+    assert env["env_vars"]["RAY_ENABLE_AUTO_CONNECT"] == "0"
+    assert raysetup.WORKER_ENV.items() <= env["env_vars"].items()
+    assert env["env_vars"][raysetup.TICK_ENV] == "0.01"
     assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
-    assert TICK_ENV not in runtime_env({}, None)["env_vars"]
+    plain = raysetup.runtime_env({}, None)["env_vars"]
+    assert raysetup.TICK_ENV not in plain and raysetup.WORKER_ENV.items() <= plain.items()

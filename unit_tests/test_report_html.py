@@ -66,8 +66,15 @@ def write_fake_run(
                 names.LR_SCHEDULED: 1e-3,
                 names.LR_APPLIED: 1e-3 * (0.9 if max_lag else 1.0),
                 names.GAC_COS_PREV: float(rng.uniform(-0.2, 0.4)),
+                names.GRAD_COS_PREV: float(rng.uniform(-0.2, 0.4)),
                 names.TEACHER_MASS: 0.95,
             }
+            if step % 2 == 0:  # the dense-reference probe runs every few steps
+                m |= {
+                    names.GRADREF_COS: 0.9,
+                    names.GRADREF_BIAS_SQ_REL: 0.01,
+                    names.GRADREF_NOISE_REL: 0.1,
+                }
             for b in BUCKETS:
                 m[names.bucket_key(b, "kl_behavior_current")] = 0.01 * BUCKETS.index(b)
         if step % 4 == 0:
@@ -129,7 +136,7 @@ def _images(page: str) -> list[bytes]:
 def test_two_runs_render_every_panel_with_both_names(two_runs: list[Path]) -> None:
     page = render_report(two_runs)
     images = _images(page)
-    assert len(images) == 9  # every panel recorded
+    assert len(images) == 10  # every panel recorded
     assert all(img.startswith(b"\x89PNG\r\n\x1a\n") and len(img) > 2000 for img in images)
     assert "not recorded" not in page
     assert page.count("<img") == len(images)  # self-contained: every image is a data URI
@@ -143,10 +150,10 @@ def test_two_runs_render_every_panel_with_both_names(two_runs: list[Path]) -> No
 def test_missing_optional_metrics_say_not_recorded(tmp_path: Path) -> None:
     run = write_fake_run(tmp_path / "bare", max_lag=1, optional=False)
     page = render_report([run])
-    for missing in (names.ESS_RHO, names.TEACHER_MASS, names.LR_APPLIED):
+    for missing in (names.ESS_RHO, names.TEACHER_MASS, names.LR_APPLIED, names.GRADREF_COS):
         assert re.search(rf"class='missing'>not recorded: [^<]*{re.escape(missing)}", page), missing
     # grad norm is recorded, GAC cosine is not: that panel still renders, with a note inside the plot
-    assert len(_images(page)) == 9 - 3
+    assert len(_images(page)) == 10 - 4
 
 
 def test_unfinished_run_with_live_parts_and_no_summary(tmp_path: Path) -> None:
@@ -156,7 +163,7 @@ def test_unfinished_run_with_live_parts_and_no_summary(tmp_path: Path) -> None:
     assert records.samples is not None and len(records.samples) == 12 * 8
     page = render_report([records])
     assert "unfinished (no summary.json)" in page
-    assert "Lag histogram" in page and len(_images(page)) == 9
+    assert "Lag histogram" in page and len(_images(page)) == 10
 
 
 @pytest.mark.parametrize("missing", [names.METRICS_FILE, names.CONFIG_FILE])
@@ -254,3 +261,17 @@ def test_broken_image_is_detected_by_the_page_check(tmp_path: Path, two_runs: li
             timeout=120,
         )
     assert 'data-images-ok="false"' in proc.stdout
+
+
+def test_accuracy_plots_mark_the_teacher(two_runs: list[Path]) -> None:
+    from asyncrl.telemetry.report import _PANELS, load_runs
+
+    records = load_runs(two_runs)
+    for r in records:
+        r.summary = {**(r.summary or {}), "teacher_accuracy": 0.97}
+    panel = next(p for p in _PANELS if p.title == "Loss and accuracy")
+    fig = panel.render(records)
+    acc_axes = [ax for ax in fig.axes if ax.get_ylabel() == "eval accuracy"]
+    assert len(acc_axes) == 2
+    for ax in acc_axes:
+        assert any(list(line.get_ydata()) == [0.97, 0.97] for line in ax.lines)

@@ -18,12 +18,10 @@ class Store:
         self.deaths = 0
         self.keys: list[int] = []
 
-    def acquire(self, n, block_index, timeout_s):
+    def acquire(self, n, block_index, timeout_s, stream=None, have=None):
         self.keys.append(block_index)
-        return {"ticket": block_index, "version": 0, "expected_version": 0, "behavior_version": None}
-
-    def latest(self, have):
-        return 0, None
+        admitted = {"ticket": block_index, "version": 0, "expected_version": 0, "behavior_version": None}
+        return {**admitted, "weights": None}  # the generator holds the latest weights
 
     def engine_died(self) -> int:
         self.deaths += 1
@@ -42,7 +40,8 @@ def stage(store: Store, max_engine_restarts: int) -> stages.Generate:
     g = stages.Generate.__new__(stages.Generate)
     g.engine, g.store, g.seed, g.admit_timeout_s = DeadEngine(), store, 0, 1.0
     g.params = SamplingParams(max_new_tokens=4)
-    g.have_version, g.admissions, g.crash_at, g.max_engine_restarts = -1, 0, None, max_engine_restarts
+    g.have_version, g.admissions, g.max_engine_restarts = -1, 0, max_engine_restarts
+    g.stream, g.faults = None, stages.NO_FAULTS
     return g
 
 

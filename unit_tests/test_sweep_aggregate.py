@@ -108,8 +108,8 @@ def test_metric_figures_final_and_mean_skip_missing_steps() -> None:
         "mean:loss": 1.5,
         "final:eval/accuracy": 0.4,
         "mean:eval/accuracy": pytest.approx(0.3),
-        "final:ess/rho": None,
-        "mean:ess/rho": None,
+        f"final:{names.ESS_RHO}": None,
+        f"mean:{names.ESS_RHO}": None,
     }
 
 

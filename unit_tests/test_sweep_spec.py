@@ -134,13 +134,29 @@ def test_examples_are_valid_sweeps() -> None:
     assert all(c.config.pipeline.lag_mode == "fixed" for c in kl.cells)  # the x axis is the lag itself
     assert names["reverse_kl_topk"].estimator.name == "reverse_kl"
     lr = load_sweep(SWEEPS / "lr_x_lag.yaml")
-    assert len(lr.cells) == 4 * 4 * 3 and {c.config.train.lr for c in lr.cells} == {1e-4, 3e-4, 1e-3, 3e-3}
+    assert len(lr.cells) == 4 * 4 * 3 and {c.config.train.lr for c in lr.cells} == {3e-4, 1e-3, 3e-3, 1e-2}
     assert all(c.config.pipeline.lag_mode == "fixed" for c in lr.cells)
+    cache = load_sweep(SWEEPS / "cache_finiteness.yaml")
+    assert len(cache.cells) == 14 * 3
+    assert all(c.config.telemetry.grad_reference == "dense" for c in cache.cells)
+    by_variant = {c.settings["variant"]: c.config for c in cache.cells}
+    assert by_variant["reverse_mc_m16"].sampling.mc_samples == 16 and by_variant["forward_mc_m4"].cache.m == 4
+    assert by_variant["reverse_topk_k64"].cache.k == 64
+    grpo = load_sweep(SWEEPS / "async_grpo.yaml")
+    assert len(grpo.cells) == 5 * 3 * 3 and all(c.config.algo == "rl" for c in grpo.cells)
+    assert {c.settings["variant"]: c.config.controllers for c in grpo.cells}["none"] == ()
     tiny = load_sweep(SWEEPS / "tiny.yaml")
     assert [c.key for c in tiny.cells] == ["pipeline.max_lag=0__seed=0", "pipeline.max_lag=2__seed=0"]
     assert all(c.config.workload.preset == "tiny" and c.config.train.steps <= 3 for c in tiny.cells)
     assert set(SWEEPS.glob("*.yaml")) == {
-        SWEEPS / f for f in ("kl_direction_x_lag.yaml", "lr_x_lag.yaml", "tiny.yaml")
+        SWEEPS / f
+        for f in (
+            "async_grpo.yaml",
+            "cache_finiteness.yaml",
+            "kl_direction_x_lag.yaml",
+            "lr_x_lag.yaml",
+            "tiny.yaml",
+        )
     }
 
 

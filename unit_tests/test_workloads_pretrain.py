@@ -6,6 +6,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import dataclasses
 import json
 import shutil
 import time
@@ -169,3 +170,85 @@ def test_supervised_training_shows_a_progress_line_per_eval() -> None:
     assert all(
         line.startswith("[pretrain student] step") and "loss " in line and "eval " in line for line in lines
     )
+
+
+# --- per-task presets, the student band and the hard errors --------------------------------------------
+def test_for_task_applies_only_that_tasks_overrides() -> None:
+    tiny = get_preset("tiny")
+    assert tiny.for_task("addition") == tiny  # addition trains the preset as it always did
+    rs = tiny.for_task("running_sum")
+    assert rs.student != tiny.student and rs.teacher == tiny.teacher and rs.per_task == {}
+    long = tiny.for_task("running_sum_long")
+    assert long.teacher.max_positions >= 2 * 129 + 1  # prompt + answer + EOS + <bos>
+    with pytest.raises(ValueError, match=r"no pretraining budget for task 'reverse'.*per_task\['reverse'\]"):
+        tiny.for_task("reverse")
+    with pytest.raises(ValueError, match=r"per_task\['x'\] sets \['students'\]"):
+        dataclasses.replace(tiny, per_task={"x": {"students": tiny.student}})
+
+
+def test_qwen_preset_builds_tied_qwen3_models_with_the_qwen_ids() -> None:
+    from asyncrl.workloads.tokenizer import TOKENIZERS
+
+    preset = get_preset("qwen-tiny")
+    builtin = TOKENIZERS.get(preset.tokenizer)
+    tok = builtin.build()
+    ids = {"pad_id": tok.pad_token_id, "bos_id": None, "eos_id": tok.eos_token_id}
+    student = build_model(preset.student, builtin.vocab_size(tok), seed=0, **ids)
+    assert type(student).__name__ == "Qwen3ForCausalLM" and student.config.vocab_size == 151_936
+    assert student.get_output_embeddings().weight is student.get_input_embeddings().weight
+    assert (student.config.pad_token_id, student.config.eos_token_id) == (151_643, 151_645)
+
+
+def _preset_with(**schedules) -> object:
+    tiny = get_preset("tiny")
+    return dataclasses.replace(tiny, name="tiny-test", **schedules)
+
+
+def test_a_student_below_its_band_fails_naming_the_knob(tmp_path) -> None:
+    from asyncrl.workloads.presets import Schedule
+    from asyncrl.workloads.pretrain import PretrainError
+
+    preset = _preset_with(
+        teacher_schedule=Schedule(max_steps=5, eval_every=5, stop_at=0.0),  # any teacher passes
+        student_schedule=Schedule(max_steps=10, eval_every=5, stop_at=0.2, cap=0.5),
+    )
+    with pytest.raises(
+        PretrainError, match=r"below the band \[0\.2, 0\.5\]; raise student_schedule\.max_steps"
+    ):
+        pretrain("addition", preset, cache_dir=tmp_path, progress=False)
+    assert missing_parts(tmp_path / "addition-tiny-test-s0" / "student") == ["directory"]  # nothing cached
+
+
+def test_a_teacher_below_stop_at_fails_naming_the_knob(tmp_path) -> None:
+    from asyncrl.workloads.presets import Schedule
+    from asyncrl.workloads.pretrain import PretrainError
+
+    preset = _preset_with(teacher_schedule=Schedule(max_steps=5, eval_every=5, stop_at=0.9))
+    with pytest.raises(
+        PretrainError, match=r"teacher reached .* < teacher_schedule\.stop_at=0\.9.*max_steps"
+    ):
+        pretrain("addition", preset, cache_dir=tmp_path, progress=False)
+
+
+def test_an_overshoot_is_bisected_to_a_step_inside_the_band() -> None:
+    """Accuracy jumps 0.1 -> 0.9 between two evaluations; the earliest in-band step is found."""
+    from asyncrl.workloads.presets import Schedule
+    from asyncrl.workloads.pretrain import PretrainError, _bisect_band
+
+    model = torch.nn.Linear(1, 1, bias=False)
+    curve = {11: 0.12, 12: 0.15, 13: 0.18, 14: 0.3, 15: 0.45, 16: 0.8, 17: 0.85, 18: 0.88, 19: 0.89}
+    snaps = [(s, {"weight": torch.full((1, 1), float(s))}) for s in curve]
+    evaluated = []
+
+    def accuracy() -> float:
+        evaluated.append(int(model.weight.item()))
+        return curve[evaluated[-1]]
+
+    band = Schedule(max_steps=20, stop_at=0.2, cap=0.5)
+    _, acc, step = _bisect_band(model, snaps, accuracy, band, (10, 0.1), (20, 0.9), print)
+    assert (step, acc) == (14, 0.3) and len(evaluated) <= 4 and model.weight.item() == 14
+    jump = {s: (0.1 if s <= 14 else 0.9) for s in curve}
+    with pytest.raises(
+        PretrainError, match=r"jumped over the band.*0\.100 at step 14, 0\.900 at step 15.*lr"
+    ):
+        _bisect_band(model, snaps, lambda: jump[int(model.weight.item())], band, (10, 0.1), (20, 0.9), print)

@@ -222,17 +222,17 @@ def test_bad_sources_fail_with_one_line_naming_the_file_and_the_fix(tmp_path) ->
     text = tmp_path / "text.jsonl"
     write_jsonl(text, [{"text": "1+1="}])
     msg = one_line_error(text)
-    assert "neither a 'prompt' nor a 'messages' column" in msg and "'text'" in msg
+    assert "no 'prompt' column (nor a chat 'messages' column" in msg and "'text'" in msg
     both = tmp_path / "both.jsonl"
     write_jsonl(both, [{"prompt": "a", "messages": []}])
     assert "both a 'prompt' and a 'messages'" in one_line_error(both)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "a"}\n{not json\n')
     msg = one_line_error(broken)
-    assert "broken.jsonl" in msg and "not valid JSON Lines" in msg
+    assert "broken.jsonl" in msg and "line 2 is not valid JSON" in msg
     notpq = tmp_path / "fake.parquet"
     notpq.write_text("hello")
-    assert "not a Parquet file" in one_line_error(notpq)
+    assert "not a readable Parquet file" in one_line_error(notpq)
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     write_jsonl(mixed / "a.jsonl", ROWS)
@@ -253,6 +253,26 @@ def test_bad_sources_fail_with_one_line_naming_the_file_and_the_fix(tmp_path) ->
 
 
 def test_non_string_prompts_fail_with_one_line() -> None:
-    for value in (None, ""):
-        with pytest.raises(ValueError, match="every prompt must be a non-empty string"):
+    for value, needle in (
+        (None, "a non-string 'prompt'"),
+        ("", "an empty 'prompt'"),
+        (" ", "an empty 'prompt'"),
+    ):
+        with pytest.raises(ValueError, match=f"f.jsonl': a row has {needle}"):
             prompt_token_ids(pa.table({"prompt": pa.array(["ok", value])}), "prompt", TOK, "f.jsonl")
+
+
+def test_head_checks_rows_by_number_and_load_prompts_reads_examples(tmp_path) -> None:
+    """What ``asyncrl validate`` reads of a prompt file: the first rows, checked row by row."""
+    from asyncrl.workloads.prompts import load_prompts
+
+    path, ok = tmp_path / "p.jsonl", tmp_path / "ok.jsonl"
+    write_jsonl(path, [*ROWS, {"prompt": "  "}])
+    write_jsonl(ok, ROWS)
+    src = PromptSource.open(path)
+    assert sum(t.num_rows for _, t, _ in src.head(len(ROWS))) == len(ROWS)  # the blank row unread
+    with pytest.raises(ValueError, match=rf"p.jsonl': row {len(ROWS)} has an empty 'prompt'; remove the row"):
+        src.head(len(ROWS) + 1)
+    examples = load_prompts(ok)
+    assert [e.prompt for e in examples] == [r["prompt"] for r in ROWS]
+    assert [e.answer for e in examples] == [str(r.get("answer") or "") for r in ROWS]

@@ -134,3 +134,30 @@ def test_encode_prompts_errors_name_the_prompt() -> None:
         encode_prompts(TOK, ["12345"], 8, max_positions=10, max_new_tokens=5)
     with pytest.raises(TypeError, match="list of prompts"):
         encode_prompts(TOK, "12+3=", 8)
+
+
+@pytest.mark.parametrize("name", ["addition", "running_sum", "running_sum_long", "reverse"])
+def test_answer_token_budget_is_the_longest_answer_plus_eos(name: str) -> None:
+    """Through the char tokenizer a token is a character, so the budget is max_answer_chars + 1."""
+    from asyncrl.workloads.tasks import answer_token_budget
+
+    task = get_task(name)
+    assert answer_token_budget(task, char_tokenizer()) == task.max_answer_chars + 1
+
+
+def test_answer_token_budget_counts_bpe_tokens_not_characters() -> None:
+    from asyncrl.workloads.tasks import Reverse, answer_token_budget
+    from asyncrl.workloads.tokenizer import qwen_tokenizer
+
+    qwen = qwen_tokenizer()
+    assert answer_token_budget(get_task("running_sum_long"), qwen) == 129  # digits: one token each
+    words = Reverse(min_len=12, max_len=12, alphabet="ab")  # "abab..." merges into fewer tokens
+    assert answer_token_budget(words, qwen) < 13 == answer_token_budget(words, char_tokenizer())
+
+
+def test_running_sum_long_is_its_own_task() -> None:
+    long, short = get_task("running_sum_long"), get_task("running_sum")
+    assert (long.name, long.length, long.max_answer_chars) == ("running_sum_long", 128, 128)
+    ex = long.make_examples("train", 3, 0)
+    assert all(len(e.answer) == 128 and long.verify(e.answer, e.answer) for e in ex)
+    assert ex[0].prompt[:32] != short.make_examples("train", 1, 0)[0].prompt[:32]

@@ -54,3 +54,76 @@ def test_save_pretrained_round_trip(tmp_path) -> None:
     text = "Hello, World! 12+34=046"
     assert loaded(text)["input_ids"] == TOK(text)["input_ids"]
     assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
+
+
+# --- Qwen BPE ----------------------------------------------------------------------------------------
+def _qwen():
+    from asyncrl.workloads.tokenizer import qwen_tokenizer
+
+    return qwen_tokenizer()
+
+
+def test_qwen_ids_match_qwens_own_tokenizer() -> None:
+    """Ids the released Qwen2/3 tokenizer gives (BPE ranks + special ids after the 151,643 ranks)."""
+    from asyncrl.workloads.tokenizer import QWEN_MODEL_VOCAB, TOKENIZERS
+
+    tok = _qwen()
+    assert len(tok) == 151_646 and TOKENIZERS.get("qwen").vocab_size(tok) == QWEN_MODEL_VOCAB == 151_936
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (151_643, 151_645, None)
+    assert tok.convert_tokens_to_ids("<|im_start|>") == 151_644
+    assert tok("Hello world", add_special_tokens=False)["input_ids"] == [9707, 1879]
+    assert tok("123", add_special_tokens=False)["input_ids"] == [16, 17, 18]  # one token per digit
+    assert tok("<|im_start|>user\n", add_special_tokens=False)["input_ids"] == [151_644, 872, 198]
+    assert tok.padding_side == "left"
+
+
+def test_qwen_chat_template_and_round_trip(tmp_path) -> None:
+    from asyncrl.workloads.tasks import encode_prompts, prompt_token_ids
+
+    tok = _qwen()
+    ids = prompt_token_ids(tok, ["12+34="])[0]
+    assert tok.decode(ids) == "<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n"
+    assert ids.count(tok.eos_token_id) == 1  # the user turn's end, never a BOS
+    pid, mask = encode_prompts(tok, ["1+2=", "12345+67890="])
+    assert pid[0, 0] == tok.pad_token_id and not mask[0, 0] and mask[1].all()
+    # answers decode back through the BPE; EOS, pad and ids past the tokenizer's 151,646 vanish
+    answer = tok("579", add_special_tokens=False)["input_ids"]
+    out = [*answer, tok.eos_token_id, tok.pad_token_id, 151_900]
+    assert tok.decode(out, skip_special_tokens=True) == "579"
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert again.get_vocab() == tok.get_vocab() and again.chat_template == tok.chat_template
+    assert prompt_token_ids(again, ["12+34="])[0] == ids and again.padding_side == "left"
+
+
+def test_char_tokenizer_prompts_keep_bos_through_its_chat_template() -> None:
+    """The char tokenizer's chat template (for ``messages`` prompt files) changes no prompt's ids:
+    ``<bos>`` + the prompt, exactly as before it had a template (the ids the cached pretrained
+    models were trained on, and what a checkpoint saved without the template still gets)."""
+    import copy
+
+    from asyncrl.workloads.tasks import TASKS, get_task, prompt_token_ids
+    from asyncrl.workloads.tokenizer import CHAR_CHAT_TEMPLATE
+
+    assert TOK.chat_template == CHAR_CHAT_TEMPLATE
+    untemplated = copy.deepcopy(TOK)
+    untemplated.chat_template = None
+    assert (
+        prompt_token_ids(TOK, ["12+3="])[0]
+        == TOK("12+3=")["input_ids"]
+        == [BOS_ID, *TOK("12+3=", add_special_tokens=False)["input_ids"]]
+    )
+    for name in TASKS.names():
+        prompts = [e.prompt for e in get_task(name).make_examples("train", 256, 0)]
+        prompts += [e.prompt for e in get_task(name).make_examples("eval", 64, 0)]
+        raw = TOK(prompts, add_special_tokens=True)["input_ids"]
+        assert prompt_token_ids(TOK, prompts) == raw == prompt_token_ids(untemplated, prompts), name
+        assert all(ids[0] == BOS_ID and BOS_ID not in ids[1:] for ids in raw)
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text(alphabet=CHARS, min_size=1, max_size=40))
+def test_char_prompt_ids_are_bos_plus_text_for_any_text(text: str) -> None:
+    from asyncrl.workloads.tasks import prompt_token_ids
+
+    assert prompt_token_ids(TOK, [text])[0] == TOK(text)["input_ids"]

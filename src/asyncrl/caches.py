@@ -5,7 +5,9 @@ keeps a finite record, built in one pass from the teacher's aligned logits at sc
 Teacher scores never go stale (the teacher is frozen); what each kind keeps decides which
 estimators can run and with what bias (``shared/research/opd_estimators.md`` section 4):
 
-- ``topk(k)``: ``teacher_topk_ids``/``teacher_topk_logprobs`` [k]; for ``forward_kl``, ``reverse_kl``.
+- ``topk(k)``: ``teacher_topk_ids``/``teacher_topk_logprobs`` [k] and ``teacher_topk_log_tail``
+  (``log(1 − Σ_k p)``, a masked logsumexp of the full logits: exact however small the tail,
+  which ``1 − Σ exp(lp)`` in fp32 is not); for ``forward_kl``, ``reverse_kl``.
 - ``behavior_mc``: ``teacher_mc_logprobs`` [m] at the rollout's ``mc_ids`` (draws from π_b);
   for ``reverse_kl_mc``.
 - ``token``: ``teacher_token_logprobs`` at the generated token; for ``reverse_kl_mc`` with
@@ -20,6 +22,13 @@ Teacher log-probs are always normalised over the FULL vocabulary, never renormal
 kept ids, so the tail mass ``1 − Σ_k p`` stays derivable. Ids are stored as int32 and
 log-probs in the compute dtype of the logits (fp32; fp64 stays fp64).
 
+Temperature: every kind scores the tempered teacher ``softmax(z_t / τ)`` with ``τ`` the rollout
+engine's sampling temperature (the ``temperature`` option, set by the run from
+``sampling.temperature``), because the learner computes the student at the same ``τ`` (its
+ratios are against the engine's ``softmax(z / τ)``): the objective is then
+``KL(softmax(z_s/τ) ‖ softmax(z_t/τ))``, whose minimiser ``z_s = z_t + const`` is the same as at
+``τ = 1``.
+
 ``score_teacher`` is the pure function the Ray teacher stage calls; ``check_pairing`` is the
 pipeline-build-time check that a cache kind feeds an estimator; ``cache_options`` filters the
 run-level ``k``/``m``/``seed`` to the fields a kind has.
@@ -27,6 +36,7 @@ run-level ``k``/``m``/``seed`` to the fields a kind has.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -35,7 +45,7 @@ import torch
 
 from asyncrl import records as R
 from asyncrl.configurable import check, field
-from asyncrl.estimators.functional import compute_dtype, gather_logprobs
+from asyncrl.estimators.functional import compute_dtype, gather_logprobs, gather_logprobs_and_log_tail
 from asyncrl.registry import Registry, RegistryError
 
 __all__ = [
@@ -148,6 +158,17 @@ class _CacheKind:
     _inputs: ClassVar[tuple[str, ...]] = ()
     #: rollout columns that exist only for this kind (what ``include_inputs`` adds)
     _own_inputs: ClassVar[tuple[str, ...]] = ()
+    #: the sampling temperature τ: teacher logits are divided by it before anything is kept
+    temperature: float = dataclasses.field(
+        default=1.0,
+        kw_only=True,
+        metadata={
+            "help": "teacher temperature τ (the rollout's sampling.temperature): scores of softmax(z/τ)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check(self.temperature > 0, "temperature", self.temperature, "use the sampling temperature, > 0")
 
     def columns(self) -> tuple[str, ...]:
         return self._columns
@@ -178,6 +199,8 @@ class _CacheKind:
         seed: int = 0,
     ) -> dict[str, torch.Tensor]:
         _require(self.name, batch, self._inputs)
+        if self.temperature != 1.0:
+            teacher_logits = teacher_logits / self.temperature
         return self._write(teacher_logits, batch, generator=generator, seed=seed)
 
     def validate(self, record: Mapping[str, torch.Tensor], *, vocab_size: int | None = None) -> None:
@@ -200,7 +223,7 @@ class _CacheKind:
     def _write(
         self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any
     ) -> dict[str, torch.Tensor]:
-        """The cache columns from aligned teacher logits ``[B, T, V]``; ``draw`` = generator, seed."""
+        """The cache columns from aligned, tempered teacher logits ``[B, T, V]``."""
         raise NotImplementedError
 
     def _check(self, record: Mapping[str, torch.Tensor]) -> None:
@@ -211,17 +234,23 @@ class _CacheKind:
 @CACHES.register("topk")
 @dataclass(frozen=True)
 class TopKCache(_CacheKind):
-    """Teacher top-k ids and log-probs (full-vocabulary normalised); tail mass = 1 − Σ exp(lp).
+    """Teacher top-k ids and log-probs (full-vocabulary normalised) and the log tail mass
+    ``log(1 − Σ_k p)``, formed from the full logits (masked logsumexp) when they are at hand.
 
-    8k bytes per token. Feeds the deterministic top-k estimators (``forward_kl``, ``reverse_kl``).
+    8k + 4 bytes per token. Feeds the deterministic top-k estimators (``forward_kl``, ``reverse_kl``).
     """
 
     name: ClassVar[str] = "topk"
     provides: ClassVar[frozenset[str]] = frozenset({"topk"})
-    _columns: ClassVar[tuple[str, ...]] = (R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS)
+    _columns: ClassVar[tuple[str, ...]] = (
+        R.TEACHER_TOPK_IDS,
+        R.TEACHER_TOPK_LOGPROBS,
+        R.TEACHER_TOPK_LOG_TAIL,
+    )
     k: int = field(16, help="number of teacher top tokens kept per position")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.k >= 1, "k", self.k, "use k >= 1")
 
     def _write(
@@ -231,19 +260,35 @@ class TopKCache(_CacheKind):
         if self.k > V:
             raise ValueError(f"topk cache: k={self.k} exceeds the vocabulary size {V}; use k <= {V}")
         ids = teacher_logits.topk(self.k, dim=-1, sorted=True).indices  # [B, T, k]
-        lp = _logprobs_at(teacher_logits, ids)
-        return {R.TEACHER_TOPK_IDS: ids.to(ID_DTYPE), R.TEACHER_TOPK_LOGPROBS: lp}
+        lp, log_tail = gather_logprobs_and_log_tail(teacher_logits, ids, chunk_size=SCORE_CHUNK)
+        return {
+            R.TEACHER_TOPK_IDS: ids.to(ID_DTYPE),
+            R.TEACHER_TOPK_LOGPROBS: lp,
+            R.TEACHER_TOPK_LOG_TAIL: log_tail,
+        }
 
     def _check(self, record: Mapping[str, torch.Tensor]) -> None:
-        """Top-k mass ``Σ_k p ≤ 1`` (normalised over the full vocabulary) and distinct ids."""
+        """Top-k mass ``Σ_k p ≤ 1`` (normalised over the full vocabulary), head and tail summing to 1,
+        and distinct ids."""
         lp_valid = _valid(record, record[R.TEACHER_TOPK_LOGPROBS].double())
         if lp_valid.numel():
-            mass = torch.logsumexp(lp_valid, -1).exp()
+            log_mass = torch.logsumexp(lp_valid, -1)
+            mass = log_mass.exp()
             if (mass > 1 + MASS_EPS).any():
                 raise ValueError(
                     f"teacher cache {self.name!r}: column {R.TEACHER_TOPK_LOGPROBS!r} has top-k mass "
                     f"{float(mass.max()):.6g} > 1; store log-probabilities normalised over the full "
                     f"vocabulary, not renormalised on the top-k"
+                )
+            tail = record[R.TEACHER_TOPK_LOG_TAIL].double()
+            mask = record.get(R.COMPLETION_MASK)
+            tail = tail[mask.bool()] if mask is not None else tail.reshape(-1)
+            total = torch.logaddexp(log_mass, tail).exp()
+            if ((total - 1).abs() > MASS_EPS).any():
+                bad = float(total[(total - 1).abs().argmax()])
+                raise ValueError(
+                    f"teacher cache {self.name!r}: top-k mass plus exp({R.TEACHER_TOPK_LOG_TAIL!r}) is "
+                    f"{bad:.6g}, not 1; store log(1 - sum_k p) of the same teacher distribution"
                 )
         ids_valid = _valid(record, record[R.TEACHER_TOPK_IDS])
         if ids_valid.numel():
@@ -330,6 +375,7 @@ class TeacherMCCache(_CacheKind):
     seed: int = field(0, help="seed of the teacher draws (mixed with the scoring seed and sample_id)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check(self.m >= 1, "m", self.m, "use m >= 1")
 
     def _write(
@@ -403,12 +449,18 @@ def _resolve(cache: TeacherCache | str) -> TeacherCache:
 
 
 def cache_options(
-    kind: str, *, k: int | None = None, m: int | None = None, seed: int | None = None
+    kind: str,
+    *,
+    k: int | None = None,
+    m: int | None = None,
+    seed: int | None = None,
+    temperature: float | None = None,
 ) -> dict[str, Any]:
-    """Run-level cache settings (``CacheConfig.k/m``, the run seed) filtered to the fields ``kind`` has,
-    so ``CACHES.get(kind)(**cache_options(kind, k=..., m=...))`` works for every kind."""
+    """Run-level cache settings (``CacheConfig.k/m``, the run seed, ``sampling.temperature``) filtered
+    to the fields ``kind`` has, so ``CACHES.get(kind)(**cache_options(kind, k=..., m=...))`` works
+    for every kind."""
     cls = CACHES.get(kind)
-    given = {"k": k, "m": m, "seed": seed}
+    given = {"k": k, "m": m, "seed": seed, "temperature": temperature}
     names = (
         {f.name for f in fields(cls)}
         if isinstance(cls, type) and hasattr(cls, "__dataclass_fields__")
@@ -428,8 +480,14 @@ def score_teacher(
 
     Runs under ``no_grad`` through ``records.completion_logits`` (the single place the
     position shift happens, so teacher and student logits are aligned the same way). Put the
-    teacher in eval mode. ``seed`` feeds caches that sample (``teacher_mc``); inputs are moved
+    teacher in eval mode. The cache's ``temperature`` (the rollout's τ) divides the logits.
+    ``seed`` feeds caches that sample (``teacher_mc``); inputs are moved
     to the model's device and outputs stay there.
+
+    The forward runs over the batch's longest completion only (``records.trim_to_longest``):
+    rollouts arrive padded to ``max_new_tokens`` and the teacher's cost grows with every position
+    (demo config: 4 of 6 completion slots used, 11 of 13 positions). The columns come back padded
+    to the input's T, with 0 at the padded positions (masked everywhere downstream).
     """
     cache = _resolve(cache)
     needed = (R.PROMPT_IDS, R.PROMPT_MASK, R.COMPLETION_IDS, R.COMPLETION_MASK, *cache.input_columns())
@@ -439,12 +497,15 @@ def score_teacher(
             f"score_teacher: columns {missing} are missing from the batch; present: {sorted(batch)}"
         )
     device = next(iter(teacher_model.parameters())).device
+    length = batch[R.COMPLETION_IDS].shape[1]
     tb = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    tb = R.trim_to_longest(tb)
     with torch.no_grad():
         logits = R.completion_logits(
             teacher_model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
         )
-        return cache.build(logits, tb, seed=seed)
+        record = cache.build(logits, tb, seed=seed)
+    return {k: R.pad_to(v, length, 0) for k, v in record.items()}
 
 
 def cache_for(estimator: Any) -> str | None:

@@ -31,15 +31,20 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "tasks": ("asyncrl.workloads.tasks", "TASKS"),
     "engines": ("asyncrl.engines", "ENGINES"),
     "presets": ("asyncrl.workloads.presets", "PRESETS"),
+    "tokenizers": ("asyncrl.workloads.tokenizer", "TOKENIZERS"),
 }
 
-DEMO_STEPS = 60
+#: enough forward-KL steps for the `small` student to close over half of its gap to the teacher
+#: (0.28 -> 0.6-0.75 exact match, teacher 0.98; EXPERIMENTS.md) in both runs, a few minutes each
+DEMO_STEPS = 300
 DEMO_MAX_LAG = 2
-#: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml)
+#: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml);
+#: generation is sized from the task (sampling.max_new_tokens: auto) unless overridden
 DEMO_OVERRIDES = (
-    "sampling.max_new_tokens=6",
     "train.batch_size=32",
-    "train.eval_every=20",
+    "train.lr=3.0e-4",
+    "train.warmup_steps=30",  # a fresh Adam on a pretrained student: a longer warmup avoids an early dip
+    "train.eval_every=50",
     "train.eval_size=256",
 )
 
@@ -71,20 +76,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from asyncrl.configurable import to_dict
 
     cfg = load_config(args.config, args.overrides)
-    _check_pairings(cfg)
+    try:
+        _check_checkpoints(cfg)
+        pending = None
+    except CLIError as err:  # the preset's pair is not pretrained yet: check everything else
+        pending = str(err)
+    plan = _check_plan(cfg, models=pending is None)
     if not args.quiet:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    if pending:
+        print(f"note: {pending} (`asyncrl run` needs it)", file=sys.stderr)
+    elif plan.resume_dir:
+        print(f"note: resumes from {plan.resume_dir} (pipeline.resume=false starts over)", file=sys.stderr)
     print(f"ok: {args.config} is a valid config", file=sys.stderr)
     return 0
 
 
-def _check_pairings(cfg: Any) -> None:
-    """The checks the pipeline makes when it is built (estimator/cache/engine pairings), without Ray."""
-    from asyncrl.plan import check_components
+def _check_plan(cfg: Any, *, models: bool) -> Any:
+    """Every check the pipeline makes before Ray starts (``asyncrl.plan.make_plan``): component
+    pairings, the prompt file, the checkpoints (``models``: complete, intact, one vocabulary,
+    prompts within their context), the CPU/GPU shares of a local run."""
+    from asyncrl.plan import make_plan
 
     try:
-        check_components(cfg, None)
-    except (ValueError, ImportError) as err:  # ConfigError is a ValueError; ImportError names the extra
+        return make_plan(cfg, models=models)
+    except (ValueError, ImportError, FileNotFoundError) as err:  # ConfigError, CheckpointError included
         raise CLIError(str(err), EXIT_USAGE) from None
 
 
@@ -137,6 +153,8 @@ def _summary_lines(summary: Mapping[str, Any]) -> list[str]:
         f"samples/s {f('samples_per_s', '.1f')}",
         f"lag p50 {f('lag_p50', 'g')}  max {f('lag_max', 'd')}  "
         f"eval accuracy {f('eval_accuracy_initial')} -> {f('eval_accuracy_final')}",
+        f"start-up: first optimizer step {f('first_step_s', '.1f')} s after the command started "
+        f"({f('startup_s', '.1f')} s after this run started)",
     ]
 
 
@@ -145,8 +163,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
 
     cfg = load_config(args.config, [*args.overrides, *_quiet_overrides(args)])
-    _check_pairings(cfg)  # fail before any process starts
-    _check_checkpoints(cfg)
+    _check_checkpoints(cfg)  # fail before any process starts
+    _check_plan(cfg, models=True)
     _say(args, f"run: {cfg.algo} with {cfg.estimator.name}, max_lag {cfg.pipeline.max_lag} -> {cfg.run_dir}")
     result = asyncrl.run(cfg)
     for line in _summary_lines(result.summary):
@@ -241,7 +259,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from asyncrl.workloads.checkpoints import load_model
     from asyncrl.workloads.evaluate import exact_match
-    from asyncrl.workloads.tasks import get_task
+    from asyncrl.workloads.tasks import answer_token_budget, get_task
 
     if args.n < 1:
         raise CLIError(f"--n must be >= 1; got {args.n}", EXIT_USAGE)
@@ -250,7 +268,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     hint = f"run `asyncrl pretrain --task {args.task} --preset small` and pass a directory it prints"
     model, tokenizer = load_model(args.model, hint=hint)
     examples = task.make_examples("eval", args.n, args.seed)
-    max_new = args.max_new_tokens or task.max_answer_chars + 1  # + EOS
+    max_new = args.max_new_tokens or answer_token_budget(task, tokenizer)  # longest answer + EOS, in tokens
     acc = exact_match(model, tokenizer, task, examples, max_new_tokens=max_new, batch_size=args.batch_size)
     print(f"{args.model}: exact match {acc:.4f} on {len(examples)} {args.task} eval examples (greedy)")
     return 0
@@ -343,6 +361,7 @@ def demo_table(
 def cmd_demo(args: argparse.Namespace) -> int:
     import asyncrl
     from asyncrl.config import load_config
+    from asyncrl.pipeline import ray_session
     from asyncrl.telemetry.report import write_report
     from asyncrl.workloads.pretrain import pretrain
 
@@ -366,15 +385,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for label, lag in (("sync", 0), ("async", args.max_lag))
     }
     for cfg in runs.values():
-        _check_pairings(cfg)
+        _check_plan(cfg, models=False)
     _say(args, f"[1/4] teacher and student: pretrain or reuse ({args.task}, preset {args.preset})")
     pre = pretrain(
         task=args.task, preset=args.preset, cache_dir=args.cache_dir, seed=args.seed, progress=not args.quiet
     )
     summaries = {}
-    for i, (label, cfg) in enumerate(runs.items()):
-        _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
-        summaries[label] = asyncrl.run(cfg).summary
+    with ray_session(runs["sync"]):  # one Ray instance for both runs
+        for i, (label, cfg) in enumerate(runs.items()):
+            _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
+            summaries[label] = asyncrl.run(cfg).summary
     _say(args, "[4/4] report over both runs")
     report = write_report(
         [root / "sync", root / "async"], root / "report.html", title="asyncrl demo: sync vs async"
@@ -489,8 +509,11 @@ def build_parser() -> argparse.ArgumentParser:
         "validate",
         cmd_validate,
         "check a config and print it resolved",
-        "Load a YAML config plus overrides, resolve component names, print the resolved config. "
-        "Exit 0 if valid, 2 with the field, the value and the fix otherwise.",
+        "Load a YAML config plus overrides and make every check `asyncrl run` makes before Ray starts: "
+        "component names and pairings, the prompt file (exists, parses, has rows and a prompt column, "
+        "its first 2048 rows fit the models' context), the checkpoints (complete, intact weight files, "
+        "one vocabulary), the CPU/GPU shares of a local run. Prints the resolved config. Exit 0 if valid "
+        "(a preset pair not pretrained yet is a note), 2 with the field or file and the fix otherwise.",
     )
     p.add_argument("config", help="YAML config")
     overrides(p)
@@ -532,7 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=256, help="number of eval examples")
     p.add_argument("--seed", type=int, default=0, help="seed of the eval examples")
     p.add_argument("--batch-size", type=int, default=128, help="prompts per generate call")
-    p.add_argument("--max-new-tokens", type=int, default=0, help="default: the task's longest answer + 1")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=0, help="default: the task's longest answer in tokens + 1 (EOS)"
+    )
     p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1), help="torch threads")
 
     p = add(

@@ -17,13 +17,14 @@ import yaml
 
 from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
 from asyncrl.engines.base import SamplingParams
+from asyncrl.faults import FaultConfig
 from asyncrl.raysetup import DEFAULT_TICK_S
 
 
 @dataclass(frozen=True)
 class WorkloadConfig:
     task: str = field("addition", help="built-in task (asyncrl ls tasks) or a dotted path to a Task")
-    preset: str = field("small", help="model preset for the built-in teacher/student (tiny | small)")
+    preset: str = field("small", help="model preset for the built-in teacher/student (asyncrl ls presets)")
     cache_dir: str = field(".asyncrl_cache", help="where pretrained checkpoints are cached")
     teacher_path: str | None = field(None, help="HF checkpoint dir of a teacher on disk (overrides preset)")
     student_path: str | None = field(None, help="HF checkpoint dir of a student on disk (overrides preset)")
@@ -92,6 +93,12 @@ class TrainConfig:
     )
     checkpoint_every: int = field(0, help="Ray Train checkpoint every N steps; 0 = only at the end")
     logits_chunk: int = field(0, help="sequence chunk for log-softmax gathers; 0 = no chunking")
+    max_nonfinite_steps: int = field(
+        3,
+        help="abort the run after this many optimizer steps in a row with a non-finite loss or gradient "
+        "(each is skipped and counted in numerics/skipped); the checkpoint holds the weights from before "
+        "the first; 0 = never abort",
+    )
 
     def __post_init__(self) -> None:
         check(self.steps >= 1, "steps", self.steps, "use an integer >= 1")
@@ -105,6 +112,7 @@ class TrainConfig:
         )
         check(self.lr > 0, "lr", self.lr, "use a positive learning rate")
         check(self.minibatches >= 1, "minibatches", self.minibatches, "use an integer >= 1")
+        check(self.max_nonfinite_steps >= 0, "max_nonfinite_steps", self.max_nonfinite_steps, "use >= 0")
         check(
             self.steps % self.minibatches == 0,
             "steps",
@@ -130,6 +138,11 @@ class PipelineConfig:
     )
     generators: int = field(1, help="generation actors in the Ray Data actor pool")
     teacher_scorers: int = field(1, help="teacher-scoring actors in the Ray Data actor pool")
+    fuse_scoring: bool = field(
+        False,
+        help="score each block in the generator actor that generated it (one stage hand-off fewer; "
+        "teacher_scorers must then be 1)",
+    )
     cpus_per_actor: float = field(0.5, help="logical CPUs reserved per generator/teacher actor")
     cpus_per_worker: float = field(0.5, help="logical CPUs reserved per learner worker")
     generator_resources: dict[str, float] = field(
@@ -147,6 +160,11 @@ class PipelineConfig:
     max_engine_restarts: int = field(
         3, help="rollout-engine deaths a run survives (the generator actor restarts, the block re-runs)"
     )
+    max_learner_failures: int = field(
+        3,
+        help="learner worker-group failures a run survives: Ray Train restarts the learners from the latest "
+        "checkpoint and the prompt stream resumes after its ledger",
+    )
     gpus_per_worker: float = field(1.0, help="GPUs per learner worker when device=cuda (< 1 shares one)")
     gpus_per_actor: float = field(
         0.25,
@@ -160,8 +178,9 @@ class PipelineConfig:
     ray_address: str | None = field(None, help="existing Ray cluster ('auto' or host:port); None = local")
     data_tick_s: float | None = field(
         DEFAULT_TICK_S,
-        help="Ray Data scheduling tick (s) in every Ray worker asyncrl starts (Ray's own: 0.1 s, paid "
-        "per stage hand-off while a generator waits for admission); None keeps Ray's",
+        help="longest sleep (s) of Ray Data's scheduling loop when no task finishes; asyncrl makes the "
+        "loop wake when a task finishes, so a finished block moves on at once (asyncrl.raysetup); None "
+        "keeps Ray's own loop (which waits for all running tasks, up to 0.1 s, per stage hand-off)",
     )
     no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
     rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
@@ -172,8 +191,16 @@ class PipelineConfig:
         check(self.learner_workers >= 1, "learner_workers", self.learner_workers, "use >= 1")
         check(self.generators >= 1, "generators", self.generators, "use >= 1")
         check(self.teacher_scorers >= 1, "teacher_scorers", self.teacher_scorers, "use >= 1")
+        check(
+            not self.fuse_scoring or self.teacher_scorers == 1,
+            "teacher_scorers",
+            self.teacher_scorers,
+            "with fuse_scoring=true every generator scores its own blocks: set teacher_scorers=1 "
+            "(or fuse_scoring=false)",
+        )
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
         check(self.max_engine_restarts >= 0, "max_engine_restarts", self.max_engine_restarts, "use >= 0")
+        check(self.max_learner_failures >= 0, "max_learner_failures", self.max_learner_failures, "use >= 0")
         check(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "use a share > 0, e.g. 0.5")
         check(self.gpus_per_actor > 0, "gpus_per_actor", self.gpus_per_actor, "use a share > 0, e.g. 0.25")
 
@@ -182,6 +209,19 @@ class PipelineConfig:
 class TelemetryConfig:
     progress: bool = field(True, help="live progress bar; false for CI and logs")
     tensorboard: bool = field(True, help="write TensorBoard event files to RUN/tb")
+    grad_reference: Literal["none", "dense"] = field(
+        "none",
+        help="dense: every grad_every steps, compare the estimator's gradient with the exact dense-KL "
+        "gradient on the same batch (gradref/* metrics; OPD, small vocabularies: the scoring stage ships "
+        "the teacher's full logits for those batches)",
+    )
+    grad_every: int = field(10, help="steps between gradient diagnostics (telemetry.grad_reference)")
+    grad_cos_prev: bool = field(
+        False, help="log grad/cos_prev, the cosine between consecutive applied gradients (keeps one copy)"
+    )
+
+    def __post_init__(self) -> None:
+        check(self.grad_every >= 1, "grad_every", self.grad_every, "use an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -203,6 +243,9 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig, help="optimisation")
     pipeline: PipelineConfig = field(default_factory=PipelineConfig, help="Ray pipeline")
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig, help="progress and sinks")
+    faults: FaultConfig = field(
+        default_factory=FaultConfig, help="fault injection for reliability tests and soak runs (off)"
+    )
 
     @property
     def algo(self) -> Literal["opd", "rl"]:
@@ -215,8 +258,35 @@ class RunConfig:
 
 
 # --- loading -------------------------------------------------------------------------------
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+def _parse_value(text: str, key: str = "") -> Any:
+    if text == "":
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        fix = f"not a valid YAML value ({_yaml_problem(err)}); quote strings"
+        raise ConfigError(key, text, fix) from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(getattr(err, "problem", None) or err).split())
+
+
+def _read_yaml(path: Path) -> Any:
+    """A YAML file's content; a file that is not UTF-8 or not YAML is a one-line ConfigError naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            "config", str(path), f"the file is not UTF-8 text (byte {err.start}); save it as UTF-8 YAML"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        fix = f"not valid YAML at {_yaml_problem(err)}; fix it there"
+        raise ConfigError("config", str(path), fix) from None
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -224,7 +294,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(item, item, "overrides look like key.sub=value")
     key, _, raw = item.partition("=")
-    return key.strip(), _parse_value(raw)
+    return key.strip(), _parse_value(raw, key.strip())
 
 
 def set_key(data: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
@@ -262,9 +332,9 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.exists():
+        if not p.is_file():
             raise ConfigError("config", str(p), "the file does not exist; see examples/configs/")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = _read_yaml(p) or {}
         if not isinstance(loaded, dict):
             raise ConfigError("config", str(p), "the YAML top level must be a mapping")
         data = loaded
@@ -278,7 +348,30 @@ def load_config(
         )
     cfg = from_dict(RunConfig, data)
     resolve_components(cfg)
-    return cfg
+    return resolve_auto(cfg)
+
+
+def resolve_auto(cfg: RunConfig) -> RunConfig:
+    """Fill the settings left to the workload (idempotent; ``load_config`` and ``asyncrl.run`` call it).
+
+    ``sampling.max_new_tokens: auto`` becomes the task's longest answer in tokens of the run's
+    tokenizer + 1 for EOS (``asyncrl.workloads.tasks.answer_token_budget``): long answers are
+    never cut and short ones waste no generation. The tokenizer is the student's
+    (``workload_tokenizer``), so a BPE that packs digits or letters is measured as it encodes.
+    """
+    if cfg.sampling.max_new_tokens != "auto":
+        return cfg
+    from dataclasses import replace
+
+    from asyncrl.workloads.pretrain import workload_tokenizer
+    from asyncrl.workloads.tasks import answer_token_budget, get_task
+
+    w = cfg.workload
+    tokenizer = workload_tokenizer(
+        w.task, w.preset, cache_dir=w.cache_dir, seed=w.pretrain_seed, student_path=w.student_path
+    )
+    budget = answer_token_budget(get_task(w.task), tokenizer, seed=w.pretrain_seed)
+    return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=budget))
 
 
 def resolve_components(cfg: RunConfig) -> None:

@@ -4,6 +4,7 @@
                    for a built-in task, or streamed from prompt files by StreamBlocks, asyncrl.stream)
       -> map_batches(Generate, actor pool)      admitted by the PolicyStore in block order
       -> map_batches(ScoreTeacher | ScoreReward, actor pool)
+         (pipeline.fuse_scoring: one map_batches(GenerateAndScore) does both per block)
       -> Ray Train TorchTrainer (train_loop_per_worker in asyncrl.learner), blocks in the same order
            rank 0 publishes weights after every optimizer step and releases each rollout batch
 
@@ -18,23 +19,44 @@ actor (Ray Data's default of 2 keeps a gated task active and adds 100 ms ticks),
 ``prefetch_batches=0`` (lock-step deadlocks otherwise), no shard locality (deadlocks with
 small blocks), and with one learner worker the executor runs inside that worker
 (``datasets_to_split=[]``), which skips the OutputSplitter hop.
+
+Faults (``README.md`` "Reliability"): a dead generator or scorer actor is restarted by Ray Data
+and its block re-run (a generator's under the same admission); a dead learner worker makes Ray
+Train restart the worker group (``pipeline.max_learner_failures``), and the stream is rebuilt by
+``StreamFactory`` (Ray Train calls it at every start of the worker group) from the same latest
+checkpoint the learners load; a dead driver is resumed by running the same command again. Every
+sample drawn is accounted for in ``summary.json`` (``asyncrl.coordinator`` "Books").
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 import time
 import uuid
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from asyncrl.config import RunConfig, load_config, save_config
+from asyncrl import checkpoint
+from asyncrl.config import RunConfig, load_config, resolve_auto, save_config
 from asyncrl.configurable import to_dict
-from asyncrl.plan import RunPlan, check_gpus, kept_versions, load_examples, make_plan, prompt_blocks
+from asyncrl.faults import Faults
+from asyncrl.plan import (
+    RunPlan,
+    check_cpus,
+    check_gpus,
+    kept_versions,
+    load_examples,
+    local_cpus,
+    make_plan,
+    prompt_blocks,
+)
 from asyncrl.raysetup import RAY_ENV, apply_env
 from asyncrl.telemetry.progress import Display
 
@@ -49,8 +71,6 @@ class RunResult:
 def init_ray(cfg: RunConfig) -> bool:
     """Start (or join) Ray; returns True if this call started it (and so must shut it down).
     Worker logs reach the driver through ``asyncrl.telemetry.console``'s filter (``-v``: all)."""
-    import os
-
     import ray
 
     from asyncrl.telemetry import console
@@ -65,9 +85,8 @@ def init_ray(cfg: RunConfig) -> bool:
     if cfg.pipeline.ray_address:
         ray.init(address=cfg.pipeline.ray_address, runtime_env=env, log_to_driver=True, logging_level=level)
     else:
-        num_cpus = cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
         ray.init(
-            num_cpus=num_cpus,
+            num_cpus=local_cpus(cfg),
             include_dashboard=False,
             runtime_env=env,
             log_to_driver=True,
@@ -75,6 +94,36 @@ def init_ray(cfg: RunConfig) -> bool:
         )
     console.install_log_filter()
     return True
+
+
+@contextmanager
+def ray_session(cfg: RunConfig) -> Iterator[None]:
+    """One Ray instance for several ``run`` calls (``asyncrl demo``'s two runs): Ray's start and
+    stop are paid once, and later runs find its processes warm. The runs must agree on the Ray
+    settings (``pipeline.ray_address``, ``num_cpus``, ``data_tick_s``): ``cfg``'s are used."""
+    import ray
+
+    apply_env()
+    started = init_ray(cfg)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def process_started_at() -> float | None:
+    """When this process (the command) started, epoch seconds: the origin of ``first_step_s``.
+    Read from Linux's /proc (the process's start tick and the uptime, both since boot); None
+    where there is no /proc."""
+    import os
+
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
 
 
 def _to_arrow(block: dict[str, np.ndarray]) -> Any:
@@ -92,28 +141,55 @@ def _to_arrow(block: dict[str, np.ndarray]) -> Any:
     return pa.table(cols)
 
 
+def dense_reference(cfg: RunConfig) -> dict[str, int] | None:
+    """Which blocks the scoring stage adds the teacher's full logits to (the gradient probe's)."""
+    if cfg.telemetry.grad_reference != "dense":
+        return None
+    return {
+        "every": cfg.telemetry.grad_every,
+        "workers": cfg.pipeline.learner_workers,
+        "minibatches": cfg.train.minibatches,
+    }
+
+
+def configure_data_context(cfg: RunConfig) -> None:
+    """This process's Ray Data context: in-order consumption (the ordering rule), the stall timeout,
+    no progress bars. Ray Train hands the driver's context to its workers."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # the ordering rule: consumption in block order
+    ctx.execution_no_progress_timeout_s = cfg.pipeline.no_progress_timeout_s
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+def faults_of(cfg: RunConfig) -> Faults:
+    """The run's fault plan; once-only markers live in ``RUN/faults``."""
+    return Faults(cfg.faults, str(Path(cfg.run_dir, "faults")))
+
+
 def build_dataset(
     plan: RunPlan,
     blocks: list[dict[str, np.ndarray]] | None,
     namespace: str,
     store_name: str,
     *,
+    stream: int | None = None,
     skip_ids: np.ndarray | None = None,
 ) -> Any:
     """The Ray Data graph: prompt blocks -> generation -> teacher (or reward) scoring, in order.
     ``blocks`` cut in the driver (a built-in task), or None: ``plan.prompts`` streamed
-    (``asyncrl.stream``), without the samples in ``skip_ids`` (a resume's ledger)."""
+    (``asyncrl.stream``), without the samples in ``skip_ids`` (a resume's ledger).
+    ``stream``: the PolicyStore's id of this stream (``begin_stream``)."""
     import ray.data
 
-    from asyncrl.stages import Generate, ScoreReward, ScoreTeacher
+    from asyncrl.stages import Generate, GenerateAndScore, ScoreReward, ScoreTeacher
 
     cfg = plan.cfg
     pc = cfg.pipeline
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # the ordering rule: consumption in block order
-    ctx.execution_no_progress_timeout_s = pc.no_progress_timeout_s
-    ctx.enable_progress_bars = False
-    ctx.print_on_execution_start = False
+    faults = faults_of(cfg)
+    configure_data_context(cfg)
     local = cfg.train.batch_size // pc.learner_workers
     ds = (
         ray.data.from_arrow([_to_arrow(b) for b in blocks])
@@ -122,29 +198,26 @@ def build_dataset(
     )
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
-    ds = ds.map_batches(
-        Generate,
-        batch_size=local,
-        compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
-        num_cpus=pc.cpus_per_actor,
-        num_gpus=actor_gpus,
-        resources=dict(pc.generator_resources) or None,
-        fn_constructor_kwargs=dict(
-            engine=pc.engine,
-            student_dir=plan.models.student_dir,
-            sampling=to_dict(cfg.sampling),
-            namespace=namespace,
-            store_name=store_name,
-            seed=cfg.seed,
-            rpc_timeout_s=pc.rpc_timeout_s,
-            admit_timeout_s=pc.no_progress_timeout_s,
-            torch_threads=pc.torch_threads,
-            engine_options=plan.engine_options,
-            max_engine_restarts=pc.max_engine_restarts,
-        ),
+    generate = dict(
+        engine=pc.engine,
+        student_dir=plan.models.student_dir,
+        sampling=to_dict(cfg.sampling),
+        namespace=namespace,
+        store_name=store_name,
+        seed=cfg.seed,
+        rpc_timeout_s=pc.rpc_timeout_s,
+        admit_timeout_s=pc.no_progress_timeout_s,
+        torch_threads=pc.torch_threads,
+        engine_options=plan.engine_options,
+        max_engine_restarts=pc.max_engine_restarts,
+        stream=stream,
+        faults=faults,
     )
     if plan.rl:
-        scorer, kwargs = ScoreReward, dict(task=cfg.workload.task, tokenizer_dir=plan.models.student_dir)
+        scorer, kwargs = (
+            ScoreReward,
+            dict(task=cfg.workload.task, tokenizer_dir=plan.models.student_dir, faults=faults),
+        )
     else:
         scorer, kwargs = (
             ScoreTeacher,
@@ -156,8 +229,29 @@ def build_dataset(
                 seed=cfg.seed,
                 torch_threads=pc.torch_threads,
                 device=pc.device,
+                faults=faults,
+                dense_reference=dense_reference(cfg),
             ),
         )
+    if pc.fuse_scoring:  # one actor pool generates and scores each block
+        return ds.map_batches(
+            GenerateAndScore,
+            batch_size=local,
+            compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
+            num_cpus=pc.cpus_per_actor,
+            num_gpus=actor_gpus,
+            resources=dict(pc.generator_resources) or None,
+            fn_constructor_kwargs=dict(generate=generate, scorer=scorer, score=kwargs),
+        )
+    ds = ds.map_batches(
+        Generate,
+        batch_size=local,
+        compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
+        num_cpus=pc.cpus_per_actor,
+        num_gpus=actor_gpus,
+        resources=dict(pc.generator_resources) or None,
+        fn_constructor_kwargs=generate,
+    )
     return ds.map_batches(
         scorer,
         batch_size=local,
@@ -200,10 +294,94 @@ def streamed(plan: RunPlan, skip_ids: np.ndarray | None) -> Any:
     )
 
 
-def run(
-    cfg: RunConfig | str | Path, *, fail_at_step: int | None = None, display: Display | None = None
-) -> RunResult:
+@dataclass(frozen=True)
+class StreamFactory:
+    """The run's Ray Data stream, built from the run directory's latest checkpoint.
+
+    Ray Train calls it (``TorchTrainer(datasets={"train": factory})``, in its controller) at every
+    start of the learner worker group: the run's start, and each restart after a learner worker
+    died. It reads the latest complete checkpoint, which is the one the learners will load:
+    the PolicyStore's books go back to that checkpoint (``begin_stream``), and the new stream
+    leaves out the ledger's samples and numbers its blocks from 0, as the restored learner's
+    admission expects. Prompt files (``plan.prompts``) are streamed (``streamed``: the stream
+    skips the same ledger); a built-in task's blocks are cut here (``prompt_blocks``)."""
+
+    plan: RunPlan
+    namespace: str
+    store_name: str
+
+    def __call__(self) -> Any:
+        from transformers import AutoTokenizer
+
+        from asyncrl.coordinator import PolicyStoreClient
+
+        cfg = self.plan.cfg
+        ckpt = checkpoint.latest(cfg.run_dir)
+        state, skip = None, None
+        if ckpt is not None:
+            coordinator = ckpt / checkpoint.COORDINATOR_FILE
+            state = json.loads(coordinator.read_text()) if coordinator.is_file() else None
+            skip = checkpoint.load_ledger(ckpt)
+        store = PolicyStoreClient.connect(self.namespace, cfg.pipeline.rpc_timeout_s, name=self.store_name)
+        stream = store.begin_stream(state)
+        if self.plan.prompts is not None:  # prompt files: streamed by Ray Data, never held here
+            return build_dataset(
+                self.plan, None, self.namespace, self.store_name, stream=stream, skip_ids=skip
+            )
+        tokenizer = AutoTokenizer.from_pretrained(self.plan.models.student_dir, local_files_only=True)
+        train_ex, _ = load_examples(cfg)
+        width = cfg.workload.max_prompt_tokens or self.plan.max_prompt_len
+        blocks = prompt_blocks(cfg, train_ex, tokenizer, width, skip)
+        return build_dataset(self.plan, blocks, self.namespace, self.store_name, stream=stream)
+
+
+#: the PolicyStore's books, rewritten on every change (a resumed driver continues them)
+BOOKS_FILE = "books.json"
+
+
+class RunAborted(RuntimeError):
+    """The learner stopped the run on purpose (the numerics guard); the message says why and how to resume."""
+
+
+def prepare_run_dir(plan: RunPlan) -> None:
+    """Before a run: drop what would claim an outcome (summary, abort note); a fresh run (nothing to
+    resume) also drops the checkpoints, books and fault markers an earlier run left."""
+    from asyncrl.learner import ABORT_FILE
+    from asyncrl.telemetry.names import SUMMARY_FILE
+
+    run_dir = Path(plan.cfg.run_dir)
+    for name in (SUMMARY_FILE, ABORT_FILE):
+        (run_dir / name).unlink(missing_ok=True)
+    if plan.resume_dir is None:
+        found = checkpoint.scan(run_dir)
+        if plan.cfg.pipeline.resume and found:
+            _, path, bad = found[0]
+            print(
+                f"asyncrl: no complete checkpoint to resume from (newest: {path}: {'; '.join(bad[:2])}); "
+                f"starting over",
+                file=sys.stderr,
+                flush=True,
+            )
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        shutil.rmtree(run_dir / "faults", ignore_errors=True)
+        (run_dir / BOOKS_FILE).unlink(missing_ok=True)
+        return
+    resume_step = checkpoint.step_of(plan.resume_dir)
+    for step, path, bad in checkpoint.scan(run_dir):
+        if bad and step >= resume_step:
+            print(
+                f"asyncrl: skipping incomplete checkpoint {path} ({'; '.join(bad[:2])}); resuming from step "
+                f"{resume_step}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunResult:
     """Run a whole pipeline; returns the run directory and its summary. See the module docstring.
+
+    Raises on failure (``RunAborted`` when the numerics guard stopped it); ``summary.json`` then
+    says ``status: failed`` (or ``aborted``), never a success.
 
     Progress: a row in ``display`` (a caller's ``asyncrl.telemetry.progress.Display``, e.g. a
     sweep's, one row per run), else in a display of its own (``telemetry.progress``)."""
@@ -212,52 +390,47 @@ def run(
     from ray.train import DataConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from transformers import AutoTokenizer
 
-    from asyncrl.checkpoint import COORDINATOR_FILE, STATE_FILE, load_ledger
     from asyncrl.coordinator import PolicyStore
-    from asyncrl.learner import LearnerSpec, train_loop_per_worker
+    from asyncrl.learner import ABORT_FILE, LearnerSpec, train_loop_per_worker
+    from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import write_summary
-    from asyncrl.telemetry.summary import summarize
+    from asyncrl.telemetry.summary import failed_summary, summarize
 
+    marks = {"run_started_at": time.time(), "process_started_at": process_started_at()}
     if not isinstance(cfg, RunConfig):
         cfg = load_config(cfg)
+    cfg = resolve_auto(cfg)  # a RunConfig built in code may still say sampling.max_new_tokens=auto
     t0 = time.perf_counter()
     plan = make_plan(cfg)
     cfg = plan.cfg
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_run_dir(plan)
     save_config(cfg, run_dir / "config.yaml")
+    _, eval_ex = load_examples(cfg)
 
-    train_ex, eval_ex = load_examples(cfg)
-    skip = load_ledger(plan.resume_dir) if plan.resume_dir else None
-    start_step = json.loads(Path(plan.resume_dir, STATE_FILE).read_text())["step"] if plan.resume_dir else 0
-    blocks = None  # prompt files: streamed by Ray Data (asyncrl.stream), never held here
-    if train_ex is not None:
-        tokenizer = AutoTokenizer.from_pretrained(plan.models.student_dir, local_files_only=True)
-        max_prompt_len = cfg.workload.max_prompt_tokens or max(
-            len(tokenizer(e.prompt)["input_ids"]) for e in train_ex[:2048]
-        )
-        blocks = prompt_blocks(cfg, train_ex, tokenizer, max_prompt_len, skip)
-
+    marks["ray_started_at"] = time.time()
     started = init_ray(cfg)
+    marks["ray_ready_at"] = time.time()
     namespace = ray.get_runtime_context().namespace
     store_name = f"asyncrl-store-{uuid.uuid4().hex[:8]}"
     pc = cfg.pipeline
     cuda = pc.device == "cuda"
     try:
-        check_gpus(cfg, float(ray.cluster_resources().get("GPU", 0.0)), rl=plan.rl)
+        resources = ray.cluster_resources()
+        check_cpus(cfg, float(resources.get("CPU", 0.0)))
+        check_gpus(cfg, float(resources.get("GPU", 0.0)), rl=plan.rl)
         store = PolicyStore.options(name=store_name).remote(
             plan.controller_specs,
             cfg.train.batch_size,
             blocks_per_rollout=pc.learner_workers,
             versions_per_rollout=cfg.train.minibatches,
             keep_versions=kept_versions(cfg),
+            books_path=str(run_dir / BOOKS_FILE),
+            resume_books=plan.resume_dir is not None,
         )
-        coordinator_state = Path(plan.resume_dir, COORDINATOR_FILE) if plan.resume_dir else None
-        if coordinator_state is not None and coordinator_state.exists():
-            ray.get(store.load_state_dict.remote(json.loads(coordinator_state.read_text())))
-        ds = build_dataset(plan, blocks, namespace, store_name, skip_ids=skip)
+        configure_data_context(cfg)  # captured by Ray Train for its workers
         spec = LearnerSpec(
             cfg=cfg,
             controller_specs=plan.controller_specs,
@@ -266,8 +439,7 @@ def run(
             namespace=namespace,
             store_name=store_name,
             eval_prompts=[(e.prompt, e.answer) for e in eval_ex[: cfg.train.eval_size]],
-            resume_dir=plan.resume_dir,
-            fail_at_step=fail_at_step,
+            faults=faults_of(cfg),
         )
         if pc.learner_workers == 1:
             data_config = DataConfig(datasets_to_split=[], enable_shard_locality=False)
@@ -286,23 +458,34 @@ def run(
             ),
             torch_config=TorchConfig(backend="nccl" if cuda else "gloo"),
             run_config=TrainRunConfig(
-                name="checkpoints", storage_path=str(run_dir), failure_config=FailureConfig(max_failures=0)
+                # one Ray Train experiment per driver process: its checkpoints sit beside earlier
+                # sessions' under RUN/checkpoints, where asyncrl.checkpoint.latest finds the newest
+                name=f"session-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}",
+                storage_path=str(run_dir / "checkpoints"),
+                failure_config=FailureConfig(max_failures=pc.max_learner_failures),
             ),
-            datasets={"train": ds},
+            datasets={"train": StreamFactory(plan, namespace, store_name)},
             dataset_config=data_config,
         )
         # the driver owns the progress display: it follows RUN/metrics.jsonl while the run trains
+        start_step = checkpoint.step_of(plan.resume_dir) if plan.resume_dir else 0
         with (
             nullcontext(display) if display is not None else Display(enabled=cfg.telemetry.progress) as shown,
             shown.follow(run_dir, title=run_dir.name, total=cfg.train.steps, start=start_step),
         ):
+            marks["fit_at"] = time.time()
             result = trainer.fit()
         if result.error is not None:
             raise result.error
         store_stats = ray.get(store.stats.remote())
+    except BaseException as err:
+        write_summary(run_dir, failed_summary(run_dir, err, wall_s=time.perf_counter() - t0))
+        raise
     finally:
         if started:
             ray.shutdown()
+    abort = run_dir / ABORT_FILE
+    aborted = json.loads(abort.read_text())["message"] if abort.is_file() else None
     summary = summarize(
         run_dir,
         algo=cfg.algo,
@@ -311,6 +494,12 @@ def run(
         teacher_accuracy=plan.models.teacher_accuracy,
         wall_s=time.perf_counter() - t0,
         store_stats=store_stats,
+        status=N.STATUS_ABORTED if aborted else N.STATUS_COMPLETED,
+        marks=marks,
     )
+    if aborted:
+        summary["error"] = aborted
     write_summary(run_dir, summary)
+    if aborted:
+        raise RunAborted(aborted)
     return RunResult(run_dir=run_dir, summary=summary, config=cfg)

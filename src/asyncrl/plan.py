@@ -26,7 +26,7 @@ import numpy as np
 from asyncrl import records as R
 from asyncrl.config import RunConfig
 from asyncrl.configurable import to_dict
-from asyncrl.stream import BlockCutter
+from asyncrl.stream import WIDTH_SAMPLE, BlockCutter
 from asyncrl.workloads.prompts import PromptSource
 
 
@@ -51,6 +51,9 @@ class RunPlan:
     controller_specs: list[tuple[str, dict[str, Any]]]
     engine_options: dict[str, Any]
     resume_dir: str | None
+    #: longest training prompt in tokens (the prompt width P of the built-in task's blocks; for
+    #: prompt files, of the rows checked: ``check_prompts``); 0 when models=False
+    max_prompt_len: int = 0
     #: ``workload.prompts_path`` resolved and its schema checked (None: the task's own split)
     prompts: PromptSource | None = None
 
@@ -85,8 +88,9 @@ def kept_versions(cfg: RunConfig) -> int:
 
 # --- models ----------------------------------------------------------------------------------------
 def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
-    """Find the teacher and student checkpoints; fail with the command that creates them."""
-    from asyncrl.workloads.checkpoints import load_pair, read_meta
+    """Find the teacher and student checkpoints and check them without loading weights (complete,
+    weight files intact, one vocabulary); fail with the command that creates them."""
+    from asyncrl.workloads.checkpoints import check_pair, read_meta
     from asyncrl.workloads.pretrain import run_dir_for
 
     w = cfg.workload
@@ -104,7 +108,7 @@ def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
     # absolute: Ray actors and Train workers do not run in the driver's working directory
     teacher_dir = str(Path(teacher_dir).resolve()) if teacher_dir else None
     student_dir = str(Path(student_dir).resolve())
-    load_pair(teacher_dir or student_dir, student_dir)  # raises on missing/incomplete dirs and vocab mismatch
+    check_pair(teacher_dir or student_dir, student_dir)  # missing/incomplete/truncated dirs, vocab mismatch
     tmeta = read_meta(teacher_dir) if teacher_dir else {}
     smeta = read_meta(student_dir)
     return ModelPaths(
@@ -122,8 +126,9 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     from asyncrl.caches import cache_options as options_for
     from asyncrl.controllers import build_chain
     from asyncrl.engines import ENGINES
-    from asyncrl.engines.base import SamplingParams
+    from asyncrl.engines.base import SamplingParams, check_engine
     from asyncrl.estimators import build as build_estimator
+    from asyncrl.step import check_composition
 
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     kind = None
@@ -142,7 +147,8 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     else:
         kind = estimator.cache_kind if cfg.cache.kind == "auto" else cfg.cache.kind
         check_pairing(estimator, kind)
-        opts = options_for(kind, k=cfg.cache.k, m=cfg.cache.m)
+        # the teacher is scored at the sampling temperature, as the learner computes the student
+        opts = options_for(kind, k=cfg.cache.k, m=cfg.cache.m, temperature=cfg.sampling.temperature)
         CACHES.get(kind)(**opts)  # validates the options
     needs_mc = R.MC_IDS in estimator.required_columns() or kind == "behavior_mc"
     if needs_mc and cfg.sampling.mc_samples < 1:
@@ -154,8 +160,11 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
         raise ValueError(
             "sampling.temperature=0 is greedy; training needs a sampling distribution (e.g. 1.0)"
         )
-    # the engine decides what it can serve for this checkpoint (MC draws, kernels, its extra)
-    ENGINES.get(cfg.pipeline.engine).check_supported(
+    # a registered name or a dotted path: the class must be an engine that takes the options, and
+    # it decides what it can serve for this checkpoint (MC draws, kernels, its extra)
+    engine = ENGINES.get(cfg.pipeline.engine)
+    check_engine(engine, cfg.pipeline.engine, generator_engine_options(cfg))
+    engine.check_supported(
         student_dir, SamplingParams(**to_dict(cfg.sampling)), **dict(cfg.pipeline.engine_options)
     )
     tc, pc = cfg.train, cfg.pipeline
@@ -171,6 +180,8 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
             f"{tc.minibatches} mini-batches of whole groups (train.group_size={tc.group_size})"
         )
     chain = build_chain(controller_specs(cfg))
+    check_composition(estimator, chain)  # estimator x controller pairings with no documented gradient
+    check_gradient_telemetry(cfg, estimator, student_dir)
     if pc.backend == "deepspeed":
         import importlib.util
 
@@ -178,23 +189,59 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
             raise ValueError(
                 "pipeline.backend=deepspeed needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'"
             )
-        if getattr(chain, "transforms_gradients", False):
+        if chain.transforms_gradients or chain.transforms_updates:
             raise ValueError(
-                "gradient-transform controllers (e.g. gradient_alignment) need full gradients; "
-                "they are not supported with pipeline.backend=deepspeed (ZeRO partitions gradients)"
+                "gradient- or update-transform controllers (e.g. gradient_alignment) need full gradients "
+                "and weights on every rank; they are not supported with pipeline.backend=deepspeed (ZeRO "
+                "partitions them): use pipeline.backend=ddp"
             )
     return estimator, kind, opts
+
+
+def check_gradient_telemetry(cfg: RunConfig, estimator: Any, student_dir: str | None) -> None:
+    """``telemetry.grad_reference=dense`` needs a KL estimator (its direction is the reference), a
+    teacher, and a vocabulary small enough to ship the teacher's full logits (4·V bytes per token);
+    both gradient telemetries read full gradients, which ZeRO partitions."""
+    from asyncrl.telemetry.gradients import MAX_VOCAB, estimand
+
+    tel = cfg.telemetry
+    if cfg.pipeline.backend == "deepspeed" and (tel.grad_reference != "none" or tel.grad_cos_prev):
+        raise ValueError(
+            "telemetry.grad_reference and telemetry.grad_cos_prev read full gradients; they are not "
+            "supported with pipeline.backend=deepspeed (ZeRO partitions gradients): turn them off or use ddp"
+        )
+    if tel.grad_reference != "dense":
+        return
+    if estimator.cache_kind is None:
+        raise ValueError(
+            f"telemetry.grad_reference=dense compares with the exact KL to a teacher, but estimator "
+            f"{cfg.estimator.name!r} learns from rewards (no teacher): set telemetry.grad_reference=none"
+        )
+    estimand(estimator)  # raises for an estimator with no KL direction
+    if student_dir:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(student_dir, local_files_only=True).get_text_config().vocab_size
+        if vocab > MAX_VOCAB:
+            raise ValueError(
+                f"telemetry.grad_reference=dense ships the teacher's full logits (4 x V bytes per token) and "
+                f"is for small vocabularies (V <= {MAX_VOCAB}); this student's vocabulary has V={vocab}: "
+                f"set telemetry.grad_reference=none"
+            )
 
 
 def generator_engine_options(cfg: RunConfig) -> dict[str, Any]:
     """``pipeline.engine_options`` plus what ``pipeline.device=cuda`` implies, unless set: the HF
     engine on ``cuda``, and vLLM's ``gpu_memory_utilization`` within the actor's GPU share (vLLM
     otherwise claims 90% of the device, which the learner and the teacher share)."""
+    from asyncrl.engines import ENGINES, HFEngine, VLLMEngine
+
     pc = cfg.pipeline
     options = dict(pc.engine_options)
-    if pc.device == "cuda" and pc.engine == "hf":
+    engine = ENGINES.get(pc.engine)  # also a dotted path, e.g. to a subclass
+    if pc.device == "cuda" and isinstance(engine, type) and issubclass(engine, HFEngine):
         options.setdefault("device", "cuda")
-    if pc.device == "cuda" and pc.engine == "vllm":
+    if pc.device == "cuda" and isinstance(engine, type) and issubclass(engine, VLLMEngine):
         options.setdefault("gpu_memory_utilization", round(0.9 * min(pc.gpus_per_actor, 1.0), 4))
     return options
 
@@ -211,16 +258,56 @@ def check_gpus(cfg: RunConfig, cluster_gpus: float, *, rl: bool) -> None:
             f"{pc.gpus_per_worker:g}: Ray would pack several ranks onto one GPU, which NCCL refuses; "
             f"use pipeline.gpus_per_worker=1 (one GPU per rank) or pipeline.learner_workers=1"
         )
-    actors = pc.generators + (0 if rl else pc.teacher_scorers)
-    need = pc.learner_workers * pc.gpus_per_worker + actors * pc.gpus_per_actor
+    need, parts = _reserved(cfg, "gpus", pc.generators + (0 if rl else pc.teacher_scorers))
     if cluster_gpus + 1e-9 < need:
         raise ValueError(
-            f"pipeline.device=cuda reserves {need:g} GPUs ({pc.learner_workers} learner worker(s) x "
-            f"gpus_per_worker={pc.gpus_per_worker:g} + {actors} actor(s) x gpus_per_actor="
-            f"{pc.gpus_per_actor:g}) but the Ray cluster has {cluster_gpus:g}: lower the shares "
-            f"(e.g. pipeline.gpus_per_worker=0.5 pipeline.gpus_per_actor=0.25 on one GPU) or use "
-            f"pipeline.device=cpu"
+            f"pipeline.device=cuda reserves {need:g} GPUs ({parts}) but the Ray cluster has "
+            f"{cluster_gpus:g}: lower the shares (e.g. pipeline.gpus_per_worker=0.5 "
+            f"pipeline.gpus_per_actor=0.25 on one GPU) or use pipeline.device=cpu"
         )
+
+
+def _reserved(cfg: RunConfig, unit: str, actors: int) -> tuple[float, str]:
+    """What the run reserves of ``unit`` (``cpus`` | ``gpus``): the total and its breakdown."""
+    pc = cfg.pipeline
+    per_worker, per_actor = getattr(pc, f"{unit}_per_worker"), getattr(pc, f"{unit}_per_actor")
+    need = pc.learner_workers * per_worker + actors * per_actor
+    parts = (
+        f"{pc.learner_workers} learner worker(s) x {unit}_per_worker={per_worker:g} + {actors} actor(s) x "
+        f"{unit}_per_actor={per_actor:g}"
+    )
+    return need, parts
+
+
+def local_cpus(cfg: RunConfig) -> int:
+    """Logical CPUs of the local Ray instance ``asyncrl.pipeline`` starts (``pipeline.num_cpus``)."""
+    import os
+
+    return cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
+
+
+def check_cpus(cfg: RunConfig, cluster_cpus: float) -> None:
+    """The CPU shares the run reserves (learner workers, generators, scorers) must fit the Ray
+    cluster's logical CPUs, else an actor waits for them forever."""
+    need, parts = _reserved(cfg, "cpus", cfg.pipeline.generators + cfg.pipeline.teacher_scorers)
+    if cluster_cpus + 1e-9 < need:
+        raise ValueError(
+            f"the run reserves {need:g} CPUs ({parts}) but the Ray cluster has {cluster_cpus:g}: lower "
+            f"pipeline.cpus_per_actor / pipeline.cpus_per_worker or the actor counts, or raise "
+            f"pipeline.num_cpus"
+        )
+
+
+def check_local_resources(cfg: RunConfig, *, rl: bool) -> None:
+    """Before Ray starts: a run on a local Ray instance (no ``pipeline.ray_address``) must fit its
+    logical CPUs and this machine's GPUs (a cluster is checked once joined, by the pipeline)."""
+    if cfg.pipeline.ray_address:
+        return
+    check_cpus(cfg, local_cpus(cfg))
+    if cfg.pipeline.device == "cuda":
+        import torch
+
+        check_gpus(cfg, float(torch.cuda.device_count()), rl=rl)
 
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
@@ -245,6 +332,9 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
     cfg = absolute_paths(cfg)
     paths = resolve_models(cfg, rl=cfg.algo == "rl") if models else None
     _, kind, opts = check_components(cfg, paths.student_dir if paths else None)
+    check_local_resources(cfg, rl=kind is None)
+    prompts = PromptSource.open(cfg.workload.prompts_path) if cfg.workload.prompts_path else None
+    max_prompt_len = check_prompts(cfg, paths, source=prompts)
     resume = latest(cfg.run_dir) if cfg.pipeline.resume else None
     return RunPlan(
         cfg=cfg,
@@ -254,7 +344,8 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
         controller_specs=controller_specs(cfg),
         engine_options=generator_engine_options(cfg),
         resume_dir=str(resume) if resume else None,
-        prompts=PromptSource.open(cfg.workload.prompts_path) if cfg.workload.prompts_path else None,
+        max_prompt_len=max_prompt_len,
+        prompts=prompts,
     )
 
 
@@ -279,6 +370,64 @@ def stream_blocks(cfg: RunConfig) -> int:
     need = (tc.steps // tc.minibatches + pc.max_lag + 2) * tc.batch_size
     need = int(need * 1.25) + tc.batch_size
     return need // (tc.batch_size // pc.learner_workers)
+
+
+def check_prompts(cfg: RunConfig, models: ModelPaths | None, *, source: PromptSource | None = None) -> int:
+    """The prompts read and fit the models' context; returns the longest training prompt in tokens.
+
+    Without ``models`` only the prompts themselves are checked. A prompt file
+    (``workload.prompts_path``, ``source`` if already opened) is opened by ``PromptSource`` (it
+    exists, parses, has rows and a ``prompt`` or ``messages`` column) and its first
+    ``asyncrl.stream.WIDTH_SAMPLE`` rows, in file order, are checked row by row (text, not
+    empty, within the context), as the streamed width is measured: the driver never reads the
+    whole file; the stream checks every row it emits. Errors name the file, the row and the fix.
+    """
+    from asyncrl.workloads import prompts as P
+
+    if cfg.workload.prompts_path and source is None:
+        source = P.PromptSource.open(cfg.workload.prompts_path)
+    head = source.head(WIDTH_SAMPLE) if source is not None else []
+    train, evals = load_examples(cfg)
+    if models is None:
+        return 0
+    from transformers import AutoTokenizer
+
+    from asyncrl.workloads.checkpoints import context_length
+    from asyncrl.workloads.tasks import prompt_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(models.student_dir, local_files_only=True)
+    dirs = [d for d in (models.student_dir, models.teacher_dir) if d]
+    contexts = [c for c in (context_length(d) for d in dirs) if c]
+    context = min(contexts) if contexts else None
+    # (where, the row numbers, their token counts) as the models are prompted: a chat template's
+    # turn markers count against the context
+    parts: list[tuple[str, str, list[int], list[int]]] = []
+    for file, table, first in head:
+        lengths = [len(ids) for ids in P.prompt_token_ids(table, source.prompt_column, tokenizer, file)]
+        parts.append((f"prompt file {file!r}", "train", list(range(first, first + len(lengths))), lengths))
+    for split, examples in (("train", train), ("eval", evals)):
+        if not examples:
+            continue
+        prompts = [e.prompt for e in examples]
+        empty = next((i for i, p in enumerate(prompts) if not p.strip()), None)
+        if empty is not None:
+            raise ValueError(f"task prompts: {split} row {empty} is an empty prompt; remove empty prompts")
+        lengths = [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
+        parts.append(("task prompts", split, list(range(len(lengths))), lengths))
+    longest = 0
+    for where, split, rows, lengths in parts:
+        if not lengths:
+            continue
+        i = int(np.argmax(lengths))
+        if context is not None and lengths[i] + cfg.sampling.max_new_tokens > context:
+            raise ValueError(
+                f"{where}: {split} row {rows[i]} has {lengths[i]} tokens + sampling.max_new_tokens="
+                f"{cfg.sampling.max_new_tokens} > the models' context of {context} tokens "
+                f"(max_position_embeddings); shorten the prompt or lower sampling.max_new_tokens"
+            )
+        if split == "train":
+            longest = max(longest, lengths[i])
+    return longest
 
 
 def prompt_blocks(

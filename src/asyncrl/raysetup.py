@@ -1,21 +1,48 @@
-"""Ray worker-process setup: shorten Ray Data's scheduling tick in every process of a run.
+"""Ray worker-process setup: make Ray Data's scheduling loop wake when a task finishes.
 
-Ray Data's streaming executor waits up to ``WAIT_FOR_TASK_COMPLETION_TIMEOUT_S`` (0.1 s in
-Ray 2.60) for *all* active tasks in each loop iteration. A generator task blocked on the
-staleness budget is always active, so every hand-off between stages costs one to three 0.1 s
-ticks (measured in shared/research/raydata_latency.md): at lock-step that is most of a step,
-and it caps async throughput too. The executor runs in a Ray Train helper actor, so the
-constant is set through ``worker_process_setup_hook`` in every worker process, from the
-``ASYNCRL_DATA_TICK_S`` environment variable. A Ray version without the constant fails loudly
-rather than silently keeping the slow tick.
+Ray Data's streaming executor waits in each loop iteration for *all* active tasks, up to
+``WAIT_FOR_TASK_COMPLETION_TIMEOUT_S`` (0.1 s in Ray 2.60). A generator task blocked on the
+staleness budget is always active, so every hand-off between stages used to cost one to three
+0.1 s ticks (measured in shared/research/raydata_latency.md). A short tick (5 ms) removed the
+latency but cost CPU: the loop then ran 200 times a second at about 1 ms of Python each, in the
+learner's process (measured: 34 ms of CPU per optimizer step of the demo config, as much as
+half the learner's own step).
+
+What asyncrl sets instead, in every process of a run that imports the executor:
+
+- the executor's ``ray.wait`` returns as soon as *one* active task is ready (with every other
+  task that is ready by then), so a finished block moves on at once and the loop sleeps while
+  nothing finishes;
+- ``WAIT_FOR_TASK_COMPLETION_TIMEOUT_S`` = ``ASYNCRL_DATA_TICK_S`` only bounds how long the loop
+  sleeps when no task finishes;
+- the consumer's poll for the next block (``OpState.get_output_blocking``, the module's only
+  sleep) takes ``CONSUMER_POLL_S`` instead of 10 ms, which in lock-step was 5 ms per step on average;
+- ``RAY_DATA_METADATA_PREFETCH_ON_THREAD=0`` (Ray's inline metadata fetcher): the threaded one
+  emits a finished block one loop iteration later, which with a sleeping loop is one tick later.
+
+The executor runs in a Ray Train worker or in Ray Data's split coordinator, so the patch is
+installed by ``worker_process_setup_hook`` in every worker process, and applied when (and only
+if) that process imports the executor module: importing Ray Data in every helper process would
+add about 0.5 s of CPU to each one's start. A Ray version without the patched names fails
+loudly rather than silently keeping the slow loop.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 TICK_ENV = "ASYNCRL_DATA_TICK_S"
-DEFAULT_TICK_S = 0.005
+DEFAULT_TICK_S = 0.1
+#: the consumer's poll interval for the next block (Ray's: 10 ms); about 15 us of CPU per poll
+CONSUMER_POLL_S = 0.001
+#: the Ray Data module whose ``ray.wait`` and tick are patched
+EXECUTOR_STATE = "ray.data._internal.execution.streaming_executor_state"
 
 #: environment of every process of a run: no usage stats, no token auth file, no hub access
 RAY_ENV = {
@@ -39,18 +66,101 @@ def apply_env() -> None:
 
 
 def setup_worker() -> None:
-    """``worker_process_setup_hook``: apply the tick from the environment (no-op if unset)."""
+    """``worker_process_setup_hook``: patch the executor with the tick from the environment
+    (no-op if unset), now if Ray Data's executor is already imported, else when it is."""
     tick = os.environ.get(TICK_ENV)
     if tick:
-        set_data_tick(float(tick))
+        when_imported(EXECUTOR_STATE, lambda module: patch_executor(module, float(tick)))
 
 
-def set_data_tick(seconds: float) -> None:
-    from ray.data._internal.execution import streaming_executor_state as ses
+def patch_executor(module: ModuleType, tick_s: float) -> None:
+    """Make ``module`` (``EXECUTOR_STATE``) wait for the first ready task, at most ``tick_s``."""
+    import time
 
-    if not hasattr(ses, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S"):
-        raise RuntimeError("this Ray version has no WAIT_FOR_TASK_COMPLETION_TIMEOUT_S; pin ray==2.60.0")
-    ses.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = seconds
+    import ray
+
+    if (
+        not hasattr(module, "WAIT_FOR_TASK_COMPLETION_TIMEOUT_S")
+        or getattr(module, "ray", None) is not ray
+        or getattr(module, "time", None) is not time
+    ):
+        raise RuntimeError(
+            f"{module.__name__} has no WAIT_FOR_TASK_COMPLETION_TIMEOUT_S, ray or time global; pin "
+            f"ray==2.60.0 or set pipeline.data_tick_s=null"
+        )
+    module.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = tick_s
+    module.ray = FirstReadyRay(ray)
+    module.time = ShortSleepTime(time, CONSUMER_POLL_S)
+
+
+class FirstReadyRay:
+    """Stands in for the ``ray`` module inside the executor-state module: ``wait`` returns once
+    one ref is ready, with all refs ready by then, instead of waiting for ``num_returns`` of them.
+
+    The executor processes whatever subset ``ray.wait`` returns (on a timeout it always could be
+    any subset), so this changes only how soon the loop sees a finished task."""
+
+    def __init__(self, ray_module: ModuleType) -> None:
+        self._ray = ray_module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ray, name)
+
+    def wait(
+        self, refs: list[Any], *, num_returns: int = 1, timeout: float | None = None, fetch_local: bool = True
+    ) -> tuple[list[Any], list[Any]]:
+        ready, rest = self._ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=fetch_local)
+        if ready and rest:
+            more, rest = self._ray.wait(rest, num_returns=len(rest), timeout=0, fetch_local=fetch_local)
+            ready = ready + more
+        return ready, rest
+
+
+class ShortSleepTime:
+    """Stands in for the ``time`` module inside the executor-state module, whose one ``sleep`` is
+    the consumer's poll for the next block: sleeps at most ``poll_s``."""
+
+    def __init__(self, time_module: ModuleType, poll_s: float) -> None:
+        self._time = time_module
+        self._poll_s = poll_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._time, name)
+
+    def sleep(self, seconds: float) -> None:
+        self._time.sleep(min(seconds, self._poll_s))
+
+
+def when_imported(name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Call ``patch(module)`` now if ``name`` is imported, else right after its first import."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+    sys.meta_path.insert(0, _PatchOnImport(name, patch))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A one-shot import hook: finds ``name`` with the other finders and wraps its loader."""
+
+    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.patch = patch
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, patch = spec.loader.exec_module, self.patch
+
+        def exec_and_patch(module: ModuleType) -> None:
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
 
 
 #: environment of Ray's worker processes only: a worker is always connected, so it must never
@@ -60,8 +170,11 @@ WORKER_ENV = {"RAY_ENABLE_AUTO_CONNECT": "0"}
 
 
 def runtime_env(env_vars: dict[str, str], tick_s: float | None = DEFAULT_TICK_S) -> dict:
-    """The ``runtime_env`` asyncrl starts Ray with: env vars (and ``WORKER_ENV``) plus the tick hook."""
+    """The ``runtime_env`` asyncrl starts Ray with: env vars and ``WORKER_ENV`` plus the executor
+    patch hook (none when ``tick_s`` is None: Ray's own loop)."""
     env = {**env_vars, **WORKER_ENV}
-    if tick_s is not None:
-        env[TICK_ENV] = str(tick_s)
+    if tick_s is None:
+        return {"env_vars": env}
+    env[TICK_ENV] = str(tick_s)
+    env["RAY_DATA_METADATA_PREFETCH_ON_THREAD"] = "0"
     return {"env_vars": env, "worker_process_setup_hook": "asyncrl.raysetup.setup_worker"}

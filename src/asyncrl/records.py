@@ -32,6 +32,8 @@ MC_IDS = "mc_ids"
 MC_BEHAVIOR_LOGPROBS = "mc_behavior_logprobs"
 TEACHER_TOPK_IDS = "teacher_topk_ids"
 TEACHER_TOPK_LOGPROBS = "teacher_topk_logprobs"
+#: log(1 − Σ_k p): the teacher's mass outside its top-k, from the full logits at scoring time
+TEACHER_TOPK_LOG_TAIL = "teacher_topk_log_tail"
 TEACHER_MC_IDS = "teacher_mc_ids"
 TEACHER_MC_LOGPROBS = "teacher_mc_logprobs"
 TEACHER_TOKEN_LOGPROBS = "teacher_token_logprobs"
@@ -74,6 +76,13 @@ COLUMNS: dict[str, Column] = {
         Column(MC_BEHAVIOR_LOGPROBS, ("B", "T", "m"), "float", "log pi_b at mc_ids", True),
         Column(TEACHER_TOPK_IDS, ("B", "T", "k"), "int", "teacher top-k ids"),
         Column(TEACHER_TOPK_LOGPROBS, ("B", "T", "k"), "float", "teacher log p at top-k (full-vocab)", True),
+        Column(
+            TEACHER_TOPK_LOG_TAIL,
+            ("B", "T"),
+            "float",
+            "teacher log(1 - sum_k p) outside the top-k (masked logsumexp of the full logits)",
+            True,
+        ),
         Column(TEACHER_MC_IDS, ("B", "T", "m"), "int", "m draws from the teacher p"),
         Column(
             TEACHER_MC_LOGPROBS, ("B", "T", "m"), "float", "teacher log p at mc_ids / teacher_mc_ids", True
@@ -273,3 +282,14 @@ def trim_to_longest(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if k in out and len(col.dims) >= 2 and col.dims[1] == "T":
             out[k] = out[k][:, :t_eff]
     return out
+
+
+def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Tensor:
+    """Right-pad dim 1 of ``x`` to ``length`` with ``value``: the inverse of ``trim_to_longest``
+    (rollout and cache columns are padded to ``max_new_tokens`` so Ray Data blocks have fixed shapes)."""
+    missing = length - x.shape[1]
+    if missing <= 0:
+        return x
+    pad_shape = list(x.shape)
+    pad_shape[1] = missing
+    return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype, device=x.device)], dim=1)

@@ -3,15 +3,19 @@
 Every pluggable family (estimators, controllers, caches, tasks, engines, presets) owns one
 ``Registry``. Users add their own entries with the ``register`` decorator, or reference any
 object by dotted path (``"my_pkg.module:MyController"`` or ``"my_pkg.module.MyController"``)
-without registering it, e.g. from YAML.
+without registering it, e.g. from YAML. ``Registry.build`` is the one way a component is made
+from a name and plain (YAML-shaped) options, whatever its family.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+from asyncrl.configurable import ConfigError, from_dict
 
 T = TypeVar("T")
 
@@ -81,6 +85,42 @@ class Registry(Generic[T]):
             f"unknown {self.kind} {name!r}{hint} Registered: {sorted(self._entries)}. "
             f"A user class can be given as a dotted path 'package.module:Class'."
         )
+
+    def build(self, name: str, options: Mapping[str, Any] | None = None) -> Any:
+        """One component from its registered name (or dotted path) and plain options.
+
+        A class with a frozen ``Config`` dataclass: ``options`` are validated through it
+        (``configurable.from_dict``: an unknown key names the nearest valid one, a bad value the
+        field and the fix) and the class is called with the validated fields as keywords. Any
+        other callable is called with ``**options``; a registered non-callable object takes none.
+
+        Errors are ``ConfigError``: field ``name`` for an unknown name (nearest registered names
+        listed), ``options.<key>`` for a bad option.
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigError("name", name, f"give a registered {self.kind} name: {self.names()}")
+        try:
+            factory: Any = self.get(name)
+        except RegistryError as err:
+            raise ConfigError("name", name, str(err)) from None
+        opts = dict(options or {})
+        config_cls = getattr(factory, "Config", None)
+        if isinstance(factory, type) and dataclasses.is_dataclass(config_cls):
+            try:
+                cfg = from_dict(config_cls, opts)
+            except ConfigError as err:
+                raise err.prefixed("options") from None
+            opts = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+        if not callable(factory):
+            if opts:
+                raise ConfigError("options", opts, f"{name!r} is an object, not a class; it takes no options")
+            return factory
+        try:
+            return factory(**opts)
+        except ConfigError as err:
+            raise err.prefixed("options") from None
+        except TypeError as err:
+            raise ConfigError("options", opts, f"{name!r} rejected its options: {err}") from None
 
     def names(self) -> list[str]:
         return sorted(self._entries)

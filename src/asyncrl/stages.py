@@ -4,14 +4,15 @@
 - ``ScoreTeacher``: ``map_batches(ScoreTeacher, actor pool)``, the OPD scoring stage.
 - ``ScoreReward``: the RL scoring stage (task reward), also used by ``ScoreTeacher`` for
   accuracy telemetry.
+- ``GenerateAndScore``: both in one actor (``pipeline.fuse_scoring``).
 
 Generation:
 
 Each call turns one block of prompt rows (one learner step's worth of samples for one
 learner worker) into rollouts. Before generating it asks the PolicyStore for admission
-(the staleness budget), reloads weights if the version moved, and tags every token with
-the version that produced it. Sampling seeds derive from ``(seed, first sample_id)`` so a
-batch is reproducible regardless of which actor runs it or when.
+(the staleness budget) and, in the same call, for the weights to use if the version moved,
+and it tags every token with the version that produced it. Sampling seeds derive from
+``(seed, first sample_id)`` so a batch is reproducible regardless of which actor runs it or when.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,9 @@ from asyncrl.caches import CACHES, score_teacher
 from asyncrl.coordinator import PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
+from asyncrl.faults import NO_FAULTS, Faults
+from asyncrl.records import pad_to
+from asyncrl.registry import RegistryError
 
 
 def batch_seed(seed: int, sample_ids: np.ndarray) -> int:
@@ -46,39 +49,15 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
-def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Tensor:
-    """Right-pad dim 1 of ``x`` to ``length`` so every block has the same T (fixed-shape tensor columns)."""
-    missing = length - x.shape[1]
-    if missing <= 0:
-        return x
-    pad_shape = list(x.shape)
-    pad_shape[1] = missing
-    return torch.cat([x, torch.full(pad_shape, value, dtype=x.dtype, device=x.device)], dim=1)
-
-
 def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad every per-token column an engine returned to ``length`` with its column's filler."""
     fill = {R.COMPLETION_IDS: pad_id, R.MC_IDS: pad_id, R.COMPLETION_MASK: False, R.TOKEN_VERSIONS: -1}
     return {k: pad_to(v, length, fill.get(k, 0.0)) for k, v in out.items()}
 
 
-#: fault injection for tests: "<marker path>:<k>" makes the generator process exit right after its
-#: k-th admission (1-based), once per marker file, as an OOM kill or engine crash would
-CRASH_ENV = "ASYNCRL_INJECT_GENERATOR_CRASH"
-
-
 def _exit_process(code: int) -> None:
     """Exit now, without cleanup (a dead engine may hang it); Ray restarts the actor."""
     os._exit(code)
-
-
-def _injected_crash() -> tuple[Path, int] | None:
-    """(marker, k) from ``CRASH_ENV``, read once per actor; None when unset (always, outside tests)."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return None
-    marker, k = spec.rsplit(":", 1)
-    return Path(marker), int(k)
 
 
 class Generate:
@@ -98,16 +77,26 @@ class Generate:
         torch_threads: int = 1,
         engine_options: dict[str, Any] | None = None,
         max_engine_restarts: int = 3,
+        stream: int | None = None,
+        faults: Faults = NO_FAULTS,
     ) -> None:
         torch.set_num_threads(torch_threads)
-        self.engine = ENGINES.get(engine).from_pretrained(student_dir, version=0, **(engine_options or {}))
+        try:
+            engine_cls = ENGINES.get(engine)
+        except RegistryError as err:  # the driver imported it; this Ray worker cannot
+            raise RegistryError(
+                f"{err} (in a generator actor: the module of a dotted-path pipeline.engine must be "
+                f"importable on every Ray node; install it, or put its directory on the workers' PYTHONPATH)"
+            ) from err
+        self.engine = engine_cls.from_pretrained(student_dir, version=0, **(engine_options or {}))
         self.params = SamplingParams(**sampling)
         self.store = PolicyStoreClient.connect(namespace, timeout_s=rpc_timeout_s, name=store_name)
         self.seed = seed
         self.admit_timeout_s = admit_timeout_s
         self.have_version = -1
         self.admissions = 0
-        self.crash_at = _injected_crash()
+        self.stream = stream
+        self.faults = faults
         self.max_engine_restarts = max_engine_restarts
 
     def _restart_or_fail(self, err: EngineDeadError) -> None:
@@ -128,15 +117,11 @@ class Generate:
         )
         _exit_process(1)
 
-    def _sync_weights(self, pinned: int | None) -> None:
-        """Load the weights a controller pinned for this block, or the latest if newer than ours."""
-        if pinned is not None:
-            if pinned != self.have_version:
-                self.engine.load_weights(self.store.weights_at(pinned), pinned)
-                self.have_version = pinned
-            return
-        version, state = self.store.latest(self.have_version)
-        if state is not None:
+    def _sync_weights(self, admitted: dict[str, Any]) -> None:
+        """Load the weights the admission came with (a controller's pinned version, or the latest
+        if newer than ours; None when we hold them)."""
+        if admitted["weights"] is not None:
+            version, state = admitted["weights"]
             self.engine.load_weights(state, version)
             self.have_version = version
 
@@ -146,16 +131,17 @@ class Generate:
         # blocks are admitted in stream order by index; a retry of this block (the actor died and
         # Ray Data re-ran it on a restarted actor) gets its admission back instead of new budget
         block = int(np.asarray(batch[R.BLOCK_INDEX])[0])
-        admitted = self.store.acquire(n, block, timeout_s=self.admit_timeout_s)
-        if admitted is None:  # the run finished while we waited: emit nothing
+        admitted = self.store.acquire(
+            n, block, timeout_s=self.admit_timeout_s, stream=self.stream, have=self.have_version
+        )
+        if admitted is None:  # the run finished (or its stream was replaced) while we waited
             return {k: v[:0] for k, v in batch.items()}
         self.admissions += 1
-        if self.crash_at and self.admissions == self.crash_at[1] and not self.crash_at[0].exists():
-            self.crash_at[0].touch()
-            _exit_process(1)
+        self.faults.exit_if("generator_exit", self.admissions)
+        self.faults.delay(self.seed, block)
         t_start = time.perf_counter()
         try:
-            self._sync_weights(admitted["behavior_version"])
+            self._sync_weights(admitted)
             prompts = R.to_torch({k: batch[k] for k in (R.PROMPT_IDS, R.PROMPT_MASK)})
             out = self.engine.generate(
                 prompts[R.PROMPT_IDS],
@@ -179,6 +165,9 @@ class Generate:
         result[R.VERSION_FIRST] = vfirst.to(torch.int64)
         result[R.VERSION_LAST] = vlast.to(torch.int64)
         result["ticket"] = np.full(n, admitted["ticket"], dtype=np.int64)
+        # the admission's facts, so a run shows what the controller chain decided for each block
+        result["admit_version"] = np.full(n, admitted["version"], dtype=np.int64)
+        result["expected_version"] = np.full(n, admitted["expected_version"], dtype=np.int64)
         result["gen_wait_s"] = np.full(n, t_start - t_wait, dtype=np.float64)
         result["gen_time_s"] = np.full(n, time.perf_counter() - t_start, dtype=np.float64)
         result["gen_done_at"] = np.full(n, time.time(), dtype=np.float64)
@@ -189,7 +178,7 @@ class Generate:
 class ScoreReward:
     """Reward stage for RL (and task accuracy telemetry in OPD): decode, verify, score."""
 
-    def __init__(self, *, task: str, tokenizer_dir: str) -> None:
+    def __init__(self, *, task: str, tokenizer_dir: str, faults: Faults = NO_FAULTS) -> None:
         from transformers import AutoTokenizer
 
         from asyncrl.workloads.tasks import get_task, reward_function
@@ -197,6 +186,8 @@ class ScoreReward:
         self.task = get_task(task)
         self.reward = reward_function(self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        self.faults = faults
+        self.blocks = 0
 
     def rewards(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         """Task reward per sample; a prompt file's metadata columns (JSON per sample) reach it as a dict."""
@@ -213,6 +204,8 @@ class ScoreReward:
         )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.blocks += 1
+        self.faults.exit_if("scorer_exit", self.blocks)
         out = dict(batch)
         out[R.REWARD] = self.rewards(batch)
         out["score_node"] = np.full(len(out[R.REWARD]), node_id(), dtype=object)
@@ -239,6 +232,8 @@ class ScoreTeacher:
         seed: int,
         torch_threads: int = 1,
         device: str = "cpu",
+        faults: Faults = NO_FAULTS,
+        dense_reference: dict[str, int] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -248,15 +243,25 @@ class ScoreTeacher:
         self.cache = CACHES.get(cache)(**cache_options)
         self.reward = ScoreReward(task=task, tokenizer_dir=teacher_dir)
         self.seed = seed
+        self.faults = faults
+        self.blocks = 0
+        #: telemetry.grad_reference=dense: {every, workers, minibatches} of dense_reference_due
+        self.dense_reference = dense_reference
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from asyncrl.telemetry.gradients import WithDenseLogits, dense_reference_due
+
         if len(batch[R.SAMPLE_ID]) == 0:
             return batch
+        self.blocks += 1
+        self.faults.exit_if("scorer_exit", self.blocks)
         t0 = time.perf_counter()
         tensors = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
-        scores = score_teacher(
-            self.model, tensors, self.cache, seed=batch_seed(self.seed + 1, batch[R.SAMPLE_ID])
-        )
+        cache = self.cache
+        block = int(np.asarray(batch[R.BLOCK_INDEX])[0])
+        if self.dense_reference and dense_reference_due(block, **self.dense_reference):
+            cache = WithDenseLogits(cache)  # the gradient probe's block: the full logits too
+        scores = score_teacher(self.model, tensors, cache, seed=batch_seed(self.seed + 1, batch[R.SAMPLE_ID]))
         out = dict(batch)
         out.update(R.to_numpy(scores))
         out[R.REWARD] = self.reward.rewards(batch)
@@ -264,3 +269,21 @@ class ScoreTeacher:
         out["score_time_s"] = np.full(len(out[R.REWARD]), time.perf_counter() - t0, dtype=np.float64)
         out["score_done_at"] = np.full(len(out[R.REWARD]), time.time(), dtype=np.float64)
         return out
+
+
+class GenerateAndScore:
+    """Generation and scoring in one actor (``pipeline.fuse_scoring``): a block is generated and
+    scored in one Ray Data task, one stage hand-off fewer per block (its Arrow conversion, object
+    store round trip and executor wake-up), and one process fewer to schedule. On a small machine
+    this is the natural split: rollout and scoring share one core, the learner has the other.
+    The price is that a block's scoring no longer overlaps the next block's generation.
+
+    ``scorer`` is ``ScoreTeacher`` or ``ScoreReward``; the keyword dicts are their constructors'.
+    """
+
+    def __init__(self, *, generate: dict[str, Any], scorer: type, score: dict[str, Any]) -> None:
+        self.generate = Generate(**generate)
+        self.score = scorer(**score)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.score(self.generate(batch))

@@ -7,11 +7,26 @@ movement, weight publication and telemetry). In order::
     keep (consumption gate) -> student forward (eval mode, logits / tau) -> log pi_theta at the
     generated tokens (gathered once) -> StepContext -> controller token weights -> estimator
     loss -> rescale to the global normaliser -> backward (DDP all-reduce) -> gradient
-    transforms -> clip -> LR scale -> optimizer step -> after_step
+    transforms -> clip -> LR scale -> optimizer step -> update transforms -> after_step
 
 Learner version ``v`` = optimizer steps applied; a sample's lag here is ``v - version_first``.
 A call takes no optimizer step when every sample on every rank was dropped, or when the loss or
-gradient is not finite (the step is skipped and reported, the weights are unchanged).
+gradient is not finite (the step is skipped and reported, the weights are unchanged; the
+version does not advance). When the controllers' LR scale is 0 (e.g. ``gradient_alignment``
+with ``mode: skip``) the optimizer is not called either, so the weights *and* its state are
+unchanged, but the version advances: the batch was trained at LR 0 (``lr_applied = 0``).
+
+The policy the step computes is the sampling one: the model must be in eval mode (dropout
+off: the engines sample without it) and the logits are divided by the sampling temperature
+``tau``, so at lag 0 ``pi_theta`` equals the behavior policy and every importance ratio is 1
+(up to engine/learner numerics). Distillation estimators therefore see ``softmax(z / tau)``;
+the teacher cache is scored at the same ``tau`` (``asyncrl.caches``), so the objective
+``KL(softmax(z_s / tau) || softmax(z_t / tau))`` has the same minimiser as at ``tau = 1``
+(``z_s = z_t + const``) while every ratio is against the distribution that really sampled.
+
+Composition: ``check_composition`` (called by ``StepParts`` and by ``asyncrl.plan``) refuses
+estimator x controller pairings whose composed gradient would not be the one the README's
+table states (e.g. an importance weight ``pi/pi_b`` applied to a loss that already carries it).
 
 Why the rescale: an estimator's ``token_mean`` divides by its *local* token count, and DDP then
 averages ranks, so without it a token on a rank with few valid tokens weighs more than one on
@@ -34,8 +49,10 @@ import torch
 from asyncrl import records as R
 from asyncrl.collectives import LOCAL, Collectives
 from asyncrl.controllers.base import SampleInfo, StepContext
+from asyncrl.controllers.chain import importance_levels, transforms_gradients, transforms_updates
 from asyncrl.estimators import accepts_token_logprobs
-from asyncrl.estimators.functional import gather_logprobs, kl_k3
+from asyncrl.estimators.functional import gather_logprobs
+from asyncrl.logratio import kl_qp_k3
 
 #: columns ``loss_step`` reads besides those of ``asyncrl.records.COLUMNS`` (bookkeeping, numpy)
 META_COLUMNS = (R.SAMPLE_ID, R.GROUP_ID, R.VERSION_FIRST, R.VERSION_LAST)
@@ -54,9 +71,76 @@ class StepOptions:
     temperature: float = 1.0
 
 
+_UNDECLARED = object()
+
+
+def check_composition(estimator: Any, controllers: Any) -> None:
+    """Refuse an estimator x controllers pairing whose composed gradient is not a documented one.
+
+    The rule is about importance weights ``w = pi/pi_b`` (controllers with ``importance_level``,
+    i.e. ``truncated_is``) meeting an estimator's own ratio (its ``behavior_ratio``,
+    ``asyncrl.estimators.base.Estimator``). ``w`` is formed before the step, so it is
+    ``pi_prox/pi_b`` with ``pi_prox`` the pre-step weights:
+
+    - ratio at the generated token (``grpo``, ``reverse_kl_mc`` with ``source: token``): the
+      estimator must anchor on ``pi_prox`` (``anchor: proximal``), so the composed gradient is
+      ``E_b[w A grad log pi_theta]`` (decoupled PPO) instead of ``E_b[(pi/pi_b)^2 ...]``.
+    - ratios at behavior draws that include the generated token (``reverse_kl_mc`` with
+      ``source: mc``, ``reverse_kl_stratified``): refused, the token's ratio would count twice.
+    - no ratio (a state-wise loss, e.g. the KL estimators on teacher scores): the loss at t
+      does not depend on the token sampled at t, so only ``level: sequence`` (the whole
+      sequence's weight, which reweights the visited prefixes to ``pi_theta``'s) corrects
+      anything; ``token`` and ``geometric`` are refused.
+
+    Two importance-weight controllers are refused (their weights would multiply). Raises
+    ``ValueError`` naming the pairing and the fix.
+    """
+    levels = importance_levels(controllers)
+    if not levels:
+        return
+    if len(levels) > 1:
+        raise ValueError(
+            f"controllers {[n for n, _ in levels]} both weight tokens by pi/pi_b: the weights multiply "
+            f"(the ratio counts twice); keep one"
+        )
+    ctrl, level = levels[0]
+    name = getattr(estimator, "name", type(estimator).__name__)
+    ratio = getattr(estimator, "behavior_ratio", _UNDECLARED)
+    if ratio is _UNDECLARED:
+        reads = set(estimator.required_columns()) & {R.BEHAVIOR_LOGPROBS, R.MC_BEHAVIOR_LOGPROBS}
+        if reads:
+            raise ValueError(
+                f"estimator {name!r} reads {sorted(reads)} but does not declare behavior_ratio, so "
+                f"{ctrl!r} (importance weights pi/pi_b) cannot be composed with it safely; declare "
+                f"behavior_ratio (None, 'token' or 'draws', see asyncrl.estimators.base.Estimator)"
+            )
+        ratio = None
+    if ratio == "draws":
+        raise ValueError(
+            f"{ctrl!r} weights each token by pi/pi_b, but estimator {name!r} already importance-weights "
+            f"its behavior draws, which include the generated token: that ratio would count twice. Remove "
+            f"{ctrl!r} (bound the estimator's ratios with its clip_eps), or use reverse_kl_mc with "
+            f"source=token and anchor=proximal"
+        )
+    if ratio == "token":
+        if getattr(estimator, "anchor", "behavior") != "proximal":
+            raise ValueError(
+                f"estimator {name!r} carries rho = pi_theta/pi_b in its loss and {ctrl!r} weights the same "
+                f"tokens by pi/pi_b: the ratio would count twice. Set estimator option anchor=proximal "
+                f"(decoupled PPO: rho = pi_theta/pi_prox, {ctrl!r} weights pi_prox/pi_b), with clip_eps=null"
+            )
+        return
+    if ratio is None and level != "sequence":
+        raise ValueError(
+            f"{ctrl!r} level={level} with estimator {name!r}: its loss at position t does not depend on the "
+            f"token sampled there, so that token's ratio corrects nothing (it only adds variance); use "
+            f"level=sequence, which reweights the visited prefixes to pi_theta's, or remove {ctrl!r}"
+        )
+
+
 @dataclass
 class StepParts:
-    """The parts a step composes, bound once per run.
+    """The parts a step composes, bound once per run (``check_composition`` runs here).
 
     ``backend``: the ``asyncrl.backends.LearnerBackend`` seam (model, optimizer, LR schedule).
     ``controllers``: a ``chain(...)`` (or any object with every controller hook).
@@ -69,9 +153,20 @@ class StepParts:
     comm: Collectives = LOCAL
     #: the estimator takes the learner's token log-probs (signature inspected once, here)
     hand_logprobs: bool = field(init=False)
+    #: some controller transforms the optimizer's updates (the step snapshots the weights)
+    update_transforms: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        check_composition(self.estimator, self.controllers)
         self.hand_logprobs = accepts_token_logprobs(self.estimator)
+        self.update_transforms = transforms_updates(self.controllers)
+        partitioned = not getattr(self.backend, "supports_gradient_transform", True)
+        if partitioned and (transforms_gradients(self.controllers) or self.update_transforms):
+            raise ValueError(
+                f"backend {getattr(self.backend, 'name', self.backend)!r} partitions gradients (ZeRO), but "
+                f"a controller transforms gradients or updates (e.g. gradient_alignment), which needs them "
+                f"whole on every rank; use pipeline.backend=ddp"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,7 +174,7 @@ class StepResult:
     """What one ``loss_step`` did. Counts and ``*_global`` tensors cover every DP rank;
     ``samples`` holds this rank's per-sample values (NaN where a sample was dropped)."""
 
-    stepped: bool  # an optimizer step was applied (the learner version advanced by one)
+    stepped: bool  # the learner version advanced by one (at lr_applied 0 the weights did not move)
     nonfinite: bool  # the loss or the gradient was not finite: no step taken
     version: int  # learner version after the call
     n_kept: int
@@ -129,6 +224,24 @@ def student_logits(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], ta
     return logits if tau == 1.0 else logits / tau
 
 
+def _optimizer_step(parts: StepParts, version: int, scale: float, sctx: StepContext) -> float:
+    """The optimizer step at ``base_lr * scale``, then the controllers' update transforms; returns
+    the LR applied. Scale 0: no optimizer call at all (weights and optimizer state unchanged)."""
+    if scale == 0.0:
+        return 0.0
+    backend = parts.backend
+    params = [p for p in backend.module.parameters() if p.requires_grad] if parts.update_transforms else []
+    before = [p.detach().clone() for p in params]
+    applied = float(backend.step(version, scale))
+    if params:
+        with torch.no_grad():
+            updates = [p.detach() - b for p, b in zip(params, before)]
+            parts.controllers.transform_update(updates, sctx)
+            for p, b, u in zip(params, before, updates):
+                p.copy_(b + u)
+    return applied
+
+
 def loss_step(
     batch: Mapping[str, Any],
     parts: StepParts,
@@ -162,6 +275,12 @@ def loss_step(
             samples=samples,
         )  # fmt: skip
 
+    if backend.module.training:
+        raise ValueError(
+            "loss_step: the model is in train mode; call model.eval() first (gradients still flow). The "
+            "engines sample without dropout, so pi_theta must be computed without it, or lag-0 importance "
+            "ratios are not 1"
+        )
     device = next(backend.module.parameters()).device
     tb = R.to_torch({k: v for k, v in batch.items() if k in R.COLUMNS})
     tb = {k: v.to(device) for k, v in R.trim_to_longest(tb).items()}
@@ -200,7 +319,7 @@ def loss_step(
     out = parts.estimator(logits, est_batch, token_weights=weights, **given)
 
     # KL(pi_b || pi_theta) per valid token (k3 on the sampled tokens), reduced with the loss below
-    k3_tok = torch.where(mask, kl_k3(behavior, logp), torch.zeros_like(logp))
+    k3_tok = torch.where(mask, kl_qp_k3(behavior, logp), torch.zeros_like(logp))
     n_tok_local = float(mask.sum())
     norm_local = float(out.normalizer) if getattr(out, "normalizer", None) is not None else None
     loss_local = float(out.loss.detach())
@@ -219,7 +338,7 @@ def loss_step(
         loss = loss * (norm_local * comm.world / max(norm_global, 1e-12))
 
     backend.backward(loss)
-    if backend.supports_gradient_transform:
+    if backend.supports_gradient_transform:  # else refused by StepParts when a controller transforms
         controllers.transform_gradient(backend.gradients(), sctx)
     grad_norm = backend.clip_and_norm(opts.grad_clip)
     nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss_num))
@@ -227,7 +346,8 @@ def loss_step(
         scale, applied = 0.0, 0.0
     else:
         scale = float(controllers.lr_scale(sctx))
-        applied = backend.step(version, scale)
+        applied = _optimizer_step(parts, version, scale, sctx)
+        sctx.lr_applied = applied
         controllers.after_step(sctx)
 
     n_tok_sample = mask.sum(1).clamp_min(1)

@@ -196,9 +196,18 @@ class DeepSpeedBackend:
         return applied[0]
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's ZeRO partition (AdamW moments, fp32 master slice) and the layout it needs."""
+        """This rank's ZeRO partition (AdamW moments, fp32 master slice) and the layout it needs,
+        as plain data (checkpoints store no pickled objects): ZeRO's loss scaler object becomes its
+        scale, its stage enum an int, and its parameter-slice map (not read by a same-world restore)
+        is left out."""
+        zero = dict(self.engine.optimizer.state_dict())
+        scaler = zero.pop("loss_scaler", None)
+        zero.pop("param_slice_mappings", None)
+        if "zero_stage" in zero:
+            zero["zero_stage"] = int(zero["zero_stage"])
         return {
-            "zero_optimizer": self.engine.optimizer.state_dict(),
+            "zero_optimizer": zero,
+            "loss_scale": float(scaler.cur_scale) if scaler is not None else None,
             "global_steps": int(self.engine.global_steps),
             "global_samples": int(self.engine.global_samples),
             "rank": self.rank,
@@ -214,11 +223,14 @@ class DeepSpeedBackend:
             raise ValueError(
                 f"this DeepSpeed checkpoint shard was written with {saved} but is being loaded with "
                 f"{have}; resume with the same pipeline.learner_workers and pipeline.zero_stage, "
-                f"each rank loading its own backend_rank<r>.pt"
+                f"each rank loading its own backend_rank<r> state"
             )
         # DeepSpeed takes every rank's state; a rigid (same-world) restore reads only its own entry.
         shards: list[Any] = [None] * self.world
         shards[self.rank] = state["zero_optimizer"]
-        self.engine.optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
+        optimizer = self.engine.optimizer
+        optimizer.load_state_dict(shards, load_optimizer_states=True, load_from_fp32_weights=True)
+        if state.get("loss_scale") is not None:
+            optimizer.loss_scaler.cur_scale = float(state["loss_scale"])
         self.engine.global_steps = int(state["global_steps"])
         self.engine.global_samples = int(state["global_samples"])

@@ -13,10 +13,29 @@ no-op, see ``chain``). In the order they run:
 4. ``transform_gradient(grads, ctx)``: in place, after the DP all-reduce and before
    gradient clipping. (Applied in chain order.)
 5. ``lr_scale(ctx)``: multiplicative LR factor for this one step; the learner sets
-   ``lr = base_lr * prod(scales)``, steps, then restores the scheduled LR. (Product.)
-6. ``after_step(ctx)``: bookkeeping after ``optimizer.step()``.
-7. ``metrics()``: floats for the last step, slash-namespaced.
-8. ``state_dict()`` / ``load_state_dict(d)``: everything needed to resume.
+   ``lr = base_lr * prod(scales)``, steps, then restores the scheduled LR. (Product.) A
+   product of exactly 0 takes no optimizer step: the weights *and* the optimizer state stay
+   as they were (with AdamW an ``lr = 0`` step would still move the moments), the learner
+   version still advances (``lr/applied`` = 0 says so). This is how a controller skips a step.
+6. ``transform_update(updates, ctx)``: in place on this step's parameter updates
+   ``new - old`` (after ``optimizer.step()``, so in the optimizer's update direction, e.g.
+   AdamW's); ``asyncrl.step.loss_step`` writes ``old + updates`` back. (Applied in chain
+   order.) Costs one copy of the weights per step, only when a controller implements it.
+7. ``after_step(ctx)``: bookkeeping after the step; ``ctx.lr_applied`` holds the LR actually
+   applied (the scheduled LR times the product of every controller's scale).
+8. ``metrics()``: floats for the last step, slash-namespaced.
+9. ``state_dict()`` / ``load_state_dict(d)``: everything needed to resume.
+
+Optional attributes, read when a run is composed (``asyncrl.step.check_composition`` and the
+backend checks):
+
+- ``importance_level``: a controller whose ``token_weights`` are importance weights
+  ``π_θ/π_b`` (``truncated_is``) says at which level it forms them (``token``, ``sequence``,
+  ``geometric``), so that an estimator that already carries ``π_θ/π_b`` is anchored on
+  ``π_prox`` instead (decoupled PPO) or the pairing is refused.
+- ``transforms_gradients`` / ``transforms_updates``: whether ``transform_gradient`` /
+  ``transform_update`` change anything (default: whether the hook exists). Both need the full,
+  unpartitioned gradients or weights on every rank, so ZeRO backends refuse them.
 
 Controllers are pure functions of (config, step context, their own explicit state). They
 must not read the wall clock except for metrics, and all randomness is seeded.
@@ -95,6 +114,9 @@ class StepContext:
     lags_global: torch.Tensor  # [N_global] int, all ranks
     world_size: int = 1
     rank: int = 0
+    #: the LR the optimizer step used (base_lr * the chain's scale; 0 = no step); set after the
+    #: step, before ``after_step``, so a controller can record what was actually applied
+    lr_applied: float | None = None
 
     @property
     def learner_version(self) -> int:
@@ -161,6 +183,8 @@ class StalenessController(Protocol):
     def transform_gradient(self, grads: Sequence[torch.Tensor], ctx: StepContext) -> None: ...
 
     def lr_scale(self, ctx: StepContext) -> float: ...
+
+    def transform_update(self, updates: Sequence[torch.Tensor], ctx: StepContext) -> None: ...
 
     def after_step(self, ctx: StepContext) -> None: ...
 

@@ -7,7 +7,8 @@ Two mechanisms, because either alone is not enough (spec section 0.1):
   stream order, so the version that will train a block is known when it starts; see
   ``asyncrl.controllers.admission``). With one optimizer step per rollout batch this is the
   AReaL/SkyRL capacity rule ``in_flight + n <= (S + 1) B``; with N mini-batch steps per batch
-  it allows ``floor(S / N) + 1`` batches in flight. With S = 0 exactly one step of work is in
+  it allows ``floor(S / N) + 1`` batches in flight at a batch boundary (``ceil(S / N) + 1`` during
+  a batch's mini-batch steps, when the next batch may start). With S = 0 exactly one step of work is in
   flight (lock-step, synchronous on-policy).
 - **consumption gate** (prime-rl/TRL): ``keep`` drops every sample whose head lag
   ``v_L - v_first`` exceeds S, group-atomically (a group's lag is the max over its members).

@@ -9,7 +9,9 @@ hooks (see ``asyncrl.controllers.base`` for their order):
 ``keep``           AND, then widened to whole groups; drops are counted per controller
 ``token_weights``  product of the non-None weights (None if every controller returns None)
 ``transform_gradient`` applied in chain order
-``lr_scale``       product (logged as ``lr/scale`` and ``lr/applied = base_lr * scale``)
+``lr_scale``       product (logged as ``lr/scale`` and ``lr/applied = base_lr * scale``);
+                   0 means no optimizer step (``asyncrl.controllers.base``, hook 5)
+``transform_update`` applied in chain order, after the optimizer step (hook 6)
 ``after_step``     every controller
 ``metrics``        merged; a key already emitted by an earlier controller is prefixed
                    with the later controller's name
@@ -40,6 +42,7 @@ HOOKS = (
     "token_weights",
     "transform_gradient",
     "lr_scale",
+    "transform_update",
     "after_step",
     "metrics",
     "state_dict",
@@ -84,6 +87,10 @@ class _Filled:
     def lr_scale(self, ctx: StepContext) -> float:
         return float(self.inner.lr_scale(ctx)) if "lr_scale" in self.implements else 1.0
 
+    def transform_update(self, updates: Sequence[torch.Tensor], ctx: StepContext) -> None:
+        if "transform_update" in self.implements:
+            self.inner.transform_update(updates, ctx)
+
     def after_step(self, ctx: StepContext) -> None:
         if "after_step" in self.implements:
             self.inner.after_step(ctx)
@@ -117,10 +124,38 @@ def as_controller(obj: Any) -> Any:
     return _Filled(obj, _default_name(obj))
 
 
-def _transforms_gradients(c: Any) -> bool:
+def _transforms(c: Any, hook: str, flag: str) -> bool:
+    """Does ``c`` change tensors in ``hook``? Its ``flag`` attribute, else whether it has the hook."""
     if isinstance(c, _Filled):
-        return "transform_gradient" in c.implements and _transforms_gradients(c.inner)
-    return bool(getattr(c, "transforms_gradients", callable(getattr(c, "transform_gradient", None))))
+        return hook in c.implements and _transforms(c.inner, hook, flag)
+    return bool(getattr(c, flag, callable(getattr(c, hook, None))))
+
+
+def transforms_gradients(controllers: Any) -> bool:
+    """True if ``controllers`` (a chain or one controller) change gradients (``transform_gradient``)."""
+    return _transforms(controllers, "transform_gradient", "transforms_gradients")
+
+
+def transforms_updates(controllers: Any) -> bool:
+    """True if ``controllers`` (a chain or one controller) change parameter updates (``transform_update``)."""
+    return _transforms(controllers, "transform_update", "transforms_updates")
+
+
+def importance_levels(controllers: Any) -> list[tuple[str, str]]:
+    """``(name, level)`` of each controller whose token weights are importance weights π_θ/π_b."""
+    if isinstance(controllers, Chain):
+        return controllers.importance_levels
+    inner = controllers.inner if isinstance(controllers, _Filled) else controllers
+    level = getattr(inner, "importance_level", None)
+    return [(_default_name(inner), level)] if level is not None else []
+
+
+def _levels(name: str, c: Any) -> list[tuple[str, str]]:
+    inner = c.inner if isinstance(c, _Filled) else c
+    if isinstance(inner, Chain):
+        return inner.importance_levels
+    level = getattr(inner, "importance_level", None)
+    return [(name, level)] if level is not None else []
 
 
 def _unique(names: list[str]) -> list[str]:
@@ -172,7 +207,17 @@ class Chain:
     @property
     def transforms_gradients(self) -> bool:
         """True if any controller changes gradients (needs full, unpartitioned gradients)."""
-        return any(_transforms_gradients(c) for c in self.controllers)
+        return any(transforms_gradients(c) for c in self.controllers)
+
+    @property
+    def transforms_updates(self) -> bool:
+        """True if any controller changes the optimizer's updates (needs full weights on every rank)."""
+        return any(transforms_updates(c) for c in self.controllers)
+
+    @property
+    def importance_levels(self) -> list[tuple[str, str]]:
+        """``(name, level)`` of each controller whose token weights are importance weights π_θ/π_b."""
+        return [lv for name, c in zip(self.names, self.controllers) for lv in _levels(name, c)]
 
     # -- hooks ---------------------------------------------------------------------------
     def admit(self, req: AdmissionRequest) -> bool:
@@ -243,6 +288,10 @@ class Chain:
         self._lr["lr/scale"] = scale
         self._lr["lr/applied"] = ctx.base_lr * scale
         return scale
+
+    def transform_update(self, updates: Sequence[torch.Tensor], ctx: StepContext) -> None:
+        for c in self.controllers:
+            c.transform_update(updates, ctx)
 
     def after_step(self, ctx: StepContext) -> None:
         for c in self.controllers:

@@ -81,7 +81,9 @@ def _all_ranks_token_rho(log_ratio: torch.Tensor, ctx: StepContext) -> torch.Ten
 
 @CONTROLLERS.register("ess_lr")
 class ESSLR:
-    """LR scale from the ESS fraction of the batch's importance weights (metrics ``ess/*``)."""
+    """LR scale from the ESS fraction of the batch's importance weights. Metrics: ``ess/rho`` (the
+    fraction this controller acted on, for its ``source``), ``ess/lr_scale``, ``ess/ess_abs``; the
+    learner logs its own unclipped sequence ESS separately as ``ess/rho_seq``."""
 
     name = "ess_lr"
     Config = ESSLRConfig

@@ -11,6 +11,9 @@ can call it directly. Symbols follow spec section 1:
 - GAC: ``g = a r_hat + g_perp`` with ``a = <g, r_hat>``; ``cos(g, r) = a / |g|``;
 - staleness-LR law (spec 4.5): ``eta <= c R_batch / (S G)`` and
   ``eta <= c (R_crit - D) / ((T - t) G)``.
+
+The log-ratio helpers (clamp, KL estimates with their direction, masked means) live in
+``asyncrl.logratio``, shared with the estimators.
 """
 
 from __future__ import annotations
@@ -22,33 +25,12 @@ from typing import Literal
 
 import torch
 
-#: log-ratios are clamped to [-20, 20] before exp (verl's safety clamp), so no weight overflows
-LOG_RATIO_CLAMP = 20.0
+from asyncrl.logratio import LOG_RATIO_CLAMP
 
 Level = Literal["token", "sequence", "geometric"]
 Action = Literal["truncate", "mask"]
 Rule = Literal["sqrt", "linear"]
 AlignMode = Literal["cap", "project", "skip"]
-
-
-# --- masked reductions ------------------------------------------------------------------------
-def masked_token_log_ratio(
-    logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """[B, T] detached ``l_t = log pi_theta - log pi_b``, zero at padding."""
-    if logprobs.shape != behavior_logprobs.shape or logprobs.shape != mask.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, behavior_logprobs {tuple(behavior_logprobs.shape)} and "
-            f"mask {tuple(mask.shape)} must have the same [B, T] shape"
-        )
-    diff = logprobs.detach() - behavior_logprobs.detach()
-    return torch.where(mask.bool(), diff, torch.zeros_like(diff))
-
-
-def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] -> [B] ``L_i = sum_t l_t`` over valid tokens (accumulated in fp64, returned in input dtype)."""
-    m = mask.bool()
-    return torch.where(m, log_ratio.double(), 0.0).sum(-1).to(log_ratio.dtype)
 
 
 # --- importance weights -----------------------------------------------------------------------
@@ -120,30 +102,6 @@ def truncated_is_weights(
         raise ValueError(f"action must be 'truncate' or 'mask', got {action!r}")
     out = torch.where(m, out, 1.0).to(log_ratio.dtype)
     return ISWeights(out, torch.where(m, lw, 0.0).to(log_ratio.dtype), truncated, masked)
-
-
-# --- KL(behavior || current) per token ----------------------------------------------------------
-def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
-    """Per-token ``k1 = log pi_b - log pi_theta = -l``: unbiased for KL(b||theta), can be negative."""
-    return -log_ratio
-
-
-def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """Per-token ``k3 = r - log r - 1`` with ``r = pi_theta/pi_b``: >= 0, ``E_b[k3] = KL(b||theta)``.
-
-    Computed as ``expm1(l) - l`` in fp64 (exact near 0), returned in the input dtype.
-    """
-    lr = log_ratio.double()
-    return (torch.expm1(lr) - lr).to(log_ratio.dtype)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` over ``mask`` (all of it, or along ``dim``); 0 where nothing is valid."""
-    m = mask.bool()
-    xs = torch.where(m, x, torch.zeros_like(x))
-    if dim is None:
-        return xs.sum() / m.sum().clamp_min(1)
-    return xs.sum(dim) / m.sum(dim).clamp_min(1)
 
 
 # --- effective sample size -----------------------------------------------------------------------

@@ -8,6 +8,15 @@ gradient is ``sum w A grad log pi_theta``, never through ``w``.
 
 ``level``: ``token`` (w_t), ``sequence`` (exp(L_i), VCPO's seq-TIS, cap ~8) or ``geometric``
 (exp(L_i / T_i), length-invariant; best for filtering).
+
+Composition (``asyncrl.step.check_composition``, README "What the composed gradient is"): the
+weights are formed at the learner's forward, before the step, so they are ``pi_prox / pi_b``
+with ``pi_prox`` the pre-step weights. An estimator that carries ``pi_theta / pi_b`` at the
+generated token itself (``grpo``, ``reverse_kl_mc`` with ``source='token'``) must anchor its
+ratio on ``pi_prox`` (``anchor: proximal``; decoupled PPO), giving the truncated-IS policy
+gradient ``E_b[min(pi_theta/pi_b, C) A grad log pi_theta]``; estimators that weight behavior
+draws themselves are refused, and state-wise losses (the KL estimators on teacher scores)
+accept only ``level='sequence'``, the one level that reweights the visited prefixes.
 """
 
 from __future__ import annotations
@@ -20,15 +29,8 @@ import torch
 from asyncrl.configurable import check, field
 from asyncrl.controllers.base import StepContext
 from asyncrl.controllers.factory import CONTROLLERS
-from asyncrl.controllers.functional import (
-    Action,
-    Level,
-    ess_fraction,
-    kl_k1,
-    kl_k3,
-    masked_mean,
-    truncated_is_weights,
-)
+from asyncrl.controllers.functional import Action, Level, ess_fraction, truncated_is_weights
+from asyncrl.logratio import kl_qp_k1, kl_qp_k3, masked_mean
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class TruncatedIS:
         self.config = TruncatedISConfig(level=level, action=action, upper=upper, lower=lower)
         self._metrics: dict[str, float] = {}
 
+    @property
+    def importance_level(self) -> str:
+        """Its token weights are importance weights π/π_b at this level (``controllers.base``)."""
+        return self.config.level
+
     def token_weights(self, ctx: StepContext) -> torch.Tensor:
         """[B, T] detached weights; 1 at padding."""
         cfg = self.config
@@ -72,6 +79,7 @@ class TruncatedIS:
         )
         m = ctx.mask.bool()
         n = int(m.sum())
+        behavior, current = ctx.behavior_logprobs.detach(), ctx.logprobs.detach()  # KL(pi_b || pi_theta)
         if n:
             w = out.weights[m].double()
             lr = log_ratio[m]
@@ -81,8 +89,8 @@ class TruncatedIS:
                 "is/frac_truncated": float(out.truncated.sum()) / n,
                 "is/frac_masked": float(out.masked.sum()) / n,
                 "is/ess_tok_frac": float(ess_fraction(lr)),
-                "is/kl_k1": float(masked_mean(kl_k1(log_ratio), m)),
-                "is/kl_k3": float(masked_mean(kl_k3(log_ratio), m)),
+                "is/kl_k1": float(masked_mean(kl_qp_k1(behavior, current), m)),
+                "is/kl_k3": float(masked_mean(kl_qp_k3(behavior, current), m)),
             }
         else:
             self._metrics = {}

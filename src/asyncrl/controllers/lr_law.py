@@ -12,8 +12,11 @@ step moves the policy by about eta G. Two modes:
   What it measures (in ``after_step``): the per-step policy drift
   ``d = mean over stale tokens of |log pi_theta(y_t) - log pi_b(y_t)| / (v_L - v_tok)``, i.e.
   the mean absolute change of a sampled token's log-prob per optimizer step, over each
-  token's own age. ``G = EMA(d / eta_bar)`` with ``eta_bar`` the mean LR this controller
-  allowed over those steps (drift per unit LR), and ``D = sum d`` the drift spent so far.
+  token's own age. ``G = EMA(d / eta_bar)`` with ``eta_bar`` the mean LR actually applied over
+  those steps (``ctx.lr_applied``: the scheduled LR times every controller's scale, so a chain
+  with ``ess_lr`` is measured per unit of the LR it really used), and ``D = sum d`` the drift
+  spent so far. The caps bound the applied LR: the chain multiplies this controller's scale
+  with the others', which can only lower it further.
   Lag-0 tokens carry no information (only train/inference mismatch) and are skipped, so a
   synchronous run never estimates G and both caps stay off. A learner that measures drift
   exactly (one extra forward after the step) can call ``observe_drift`` instead.
@@ -144,7 +147,6 @@ class StalenessLRLaw:
                 self._metrics["law/eta_batch_cap"] = law.eta_batch
             if math.isfinite(law.eta_horizon):
                 self._metrics["law/eta_horizon_cap"] = law.eta_horizon
-        self.lr_history.append(eta_sched * scale)
         self._metrics.update({"law/S_eff": s, "law/scale": scale, "law/S_eta": s * eta_sched * scale})
         return scale
 
@@ -159,18 +161,23 @@ class StalenessLRLaw:
         self._metrics["law/drift_step"] = drift
 
     def after_step(self, ctx: StepContext) -> None:
+        """Measure the drift of the steps before this one, then record the LR this step applied."""
         if self.config.mode != "two_constraint":
             return
+        if ctx.lr_applied is None:
+            raise ValueError(
+                "staleness_lr_law(mode='two_constraint') needs ctx.lr_applied (the LR the step used, after "
+                "every controller's scale); asyncrl.step.loss_step sets it, a custom loop must too"
+            )
         tok_lag = (ctx.step - ctx.token_versions).double()
         stale = ctx.mask.bool() & (tok_lag >= 1)
-        if not stale.any():
-            return
-        rate = ctx.log_ratio.detach().double().abs()[stale] / tok_lag[stale]
-        window = max(1, round(float(tok_lag[stale].mean())))
-        # the LR of the current step was just recorded; the drift was produced by the steps before it
-        past = list(self.lr_history)[:-1][-window:]
-        if past:
-            self.observe_drift(float(rate.mean()), sum(past) / len(past))
+        if stale.any():
+            rate = ctx.log_ratio.detach().double().abs()[stale] / tok_lag[stale]
+            window = max(1, round(float(tok_lag[stale].mean())))
+            past = list(self.lr_history)[-window:]  # the steps that produced the drift
+            if past:
+                self.observe_drift(float(rate.mean()), sum(past) / len(past))
+        self.lr_history.append(float(ctx.lr_applied))
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)

@@ -9,11 +9,12 @@ distribution (column 0 = the generated token) with their log-probabilities.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -35,14 +36,23 @@ class EngineDeadError(RuntimeError):
 class SamplingParams:
     """How to sample. No top-k / top-p: importance ratios need the untruncated distribution."""
 
-    max_new_tokens: int = field(32, help="generation stops after this many tokens (or at EOS)")
+    max_new_tokens: int | Literal["auto"] = field(
+        "auto",
+        help="generation stops after this many tokens (or at EOS); auto = the task's longest answer in "
+        "tokens of the run's tokenizer + 1 (EOS), resolved when the run config is loaded",
+    )
     temperature: float = field(1.0, help="softmax temperature tau; 0 means greedy (eval only)")
     mc_samples: int = field(
         0, help="m: MC draws per position from pi_b (column 0 = generated token); 0 disables"
     )
 
     def __post_init__(self) -> None:
-        check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "use an integer >= 1")
+        check(
+            self.max_new_tokens == "auto" or self.max_new_tokens >= 1,
+            "max_new_tokens",
+            self.max_new_tokens,
+            "use an integer >= 1 or auto",
+        )
         check(self.temperature >= 0, "temperature", self.temperature, "use 0 (greedy) or a positive value")
         check(self.mc_samples >= 0, "mc_samples", self.mc_samples, "use 0 (off) or m >= 1")
 
@@ -96,6 +106,36 @@ class RolloutEngine(Protocol):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
 
 
+#: what the pipeline calls on an engine class (``pipeline.engine``): check_supported in the driver,
+#: from_pretrained in every generator actor, then generate / load_weights / version per block
+ENGINE_HOOKS = ("from_pretrained", "check_supported", "generate", "load_weights")
+
+
+def check_engine(engine: Any, name: str, options: Mapping[str, Any]) -> None:
+    """Refuse, before any actor starts, an engine the generator actors could not build.
+
+    ``engine`` is what ``pipeline.engine`` names (a registered name or a dotted path
+    ``package.module:Class``); it must provide the ``RolloutEngine`` hooks, and its
+    ``from_pretrained(path, version=0, **options)`` must take ``pipeline.engine_options``. Why
+    here: a user engine with a missing method or a misspelt option otherwise fails inside a Ray
+    actor, after the models were loaded, with a traceback instead of the setting to change.
+    """
+    missing = [h for h in ENGINE_HOOKS if not callable(getattr(engine, h, None))]
+    if missing:
+        raise ValueError(
+            f"pipeline.engine={name!r} is not a rollout engine: it has no {', '.join(missing)}; implement "
+            f"the asyncrl.engines.RolloutEngine protocol ({', '.join(ENGINE_HOOKS)} and a version property)"
+        )
+    try:
+        inspect.signature(engine.from_pretrained).bind("checkpoint", version=0, **options)
+    except TypeError as err:
+        sig = inspect.signature(engine.from_pretrained)
+        raise ValueError(
+            f"pipeline.engine_options={dict(options)!r} do not fit {name}.from_pretrained{sig} ({err}); "
+            f"use only the options it takes"
+        ) from None
+
+
 def checkpoint_dir(path: str | Path) -> Path:
     """``path`` as a ``Path`` if it holds an HF checkpoint (``config.json``); else a clear error."""
     p = Path(path)
@@ -135,6 +175,11 @@ def check_prompts(
     """
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be asyncrl.engines.SamplingParams, got {type(params).__name__}")
+    if params.max_new_tokens == "auto":
+        raise ValueError(
+            "SamplingParams.max_new_tokens='auto' is resolved from the task by the run config "
+            "(asyncrl.config.load_config); an engine needs a number: pass max_new_tokens=N"
+        )
     ids, mask = torch.as_tensor(prompt_ids), torch.as_tensor(prompt_mask)
     if ids.dim() != 2 or ids.shape != mask.shape:
         raise ValueError(
@@ -177,15 +222,21 @@ def pack_rollout(
     hold the pad id and log-prob 0. Column 0 becomes ``completion_ids``/``behavior_logprobs``;
     for ``mc_samples > 0`` all k columns become ``mc_ids``/``mc_behavior_logprobs``; every token
     is stamped with ``version`` (one call = one set of weights).
+
+    The columns are always fresh, normal tensors, even when the engine sampled under
+    ``torch.inference_mode`` (``HFEngine.generate``): an inference tensor cannot be saved for
+    backward, so a plain training loop that computes a loss from the rollout (behavior log-probs
+    in an importance ratio, completion ids in a gather) would fail on it.
     """
     B, T = mask.shape
-    out = {
-        records.COMPLETION_IDS: draws[..., 0].contiguous(),
-        records.COMPLETION_MASK: mask.contiguous(),
-        records.BEHAVIOR_LOGPROBS: logprobs[..., 0].contiguous(),
-        records.TOKEN_VERSIONS: torch.full((B, T), int(version), dtype=torch.int32, device=mask.device),
-    }
-    if mc_samples > 0:
-        out[records.MC_IDS] = draws.contiguous()
-        out[records.MC_BEHAVIOR_LOGPROBS] = logprobs.contiguous()
+    with torch.inference_mode(False):  # clone() of an inference tensor here is a normal tensor
+        out = {
+            records.COMPLETION_IDS: draws[..., 0].clone(memory_format=torch.contiguous_format),
+            records.COMPLETION_MASK: mask.clone(memory_format=torch.contiguous_format),
+            records.BEHAVIOR_LOGPROBS: logprobs[..., 0].clone(memory_format=torch.contiguous_format),
+            records.TOKEN_VERSIONS: torch.full((B, T), int(version), dtype=torch.int32, device=mask.device),
+        }
+        if mc_samples > 0:
+            out[records.MC_IDS] = draws.clone(memory_format=torch.contiguous_format)
+            out[records.MC_BEHAVIOR_LOGPROBS] = logprobs.clone(memory_format=torch.contiguous_format)
     return out

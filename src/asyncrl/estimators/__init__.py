@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from asyncrl.configurable import ConfigError
 from asyncrl.estimators.base import (
     ESTIMATORS,
     Estimator,
@@ -31,7 +30,6 @@ from asyncrl.estimators.base import (
 from asyncrl.estimators.grpo import GRPO
 from asyncrl.estimators.kl import ForwardKL, ReverseKL
 from asyncrl.estimators.mc import ForwardKLMC, ReverseKLMC, ReverseKLStratified
-from asyncrl.registry import RegistryError
 
 __all__ = [
     "ESTIMATORS",
@@ -52,23 +50,13 @@ __all__ = [
 def build(name: str, options: Mapping[str, Any] | None = None) -> Estimator:
     """Build a registered estimator (or a dotted path ``'pkg.mod:Class'``) from plain options.
 
-    Built-in classes validate ``options`` through their frozen ``Config`` (unknown keys fail with
-    the nearest valid key); a user class without ``Config`` is called with ``**options``.
-    Errors are ``ConfigError`` with field ``name`` for an unknown estimator (nearest registered
-    names listed) and ``options.<key>`` for a bad option, like ``asyncrl.controllers.build``.
+    ``ESTIMATORS.build`` (``asyncrl.registry.Registry.build``, shared with the controllers): a
+    class with a frozen ``Config`` is validated through it (unknown keys fail with the nearest
+    valid key) and called with the validated fields as keywords; a class without one is called
+    with ``**options``. Errors are ``ConfigError`` with field ``name`` for an unknown estimator
+    and ``options.<key>`` for a bad option; the result must satisfy the ``Estimator`` protocol.
     """
-    if not isinstance(name, str) or not name:
-        raise ConfigError("name", name, f"give a registered estimator name: {ESTIMATORS.names()}")
-    try:
-        cls: Any = ESTIMATORS.get(name)
-    except RegistryError as err:
-        raise ConfigError("name", name, str(err)) from None
-    opts = dict(options or {})
-    config_cls = getattr(cls, "Config", None)
-    try:
-        est = cls(bind_config(config_cls, None, opts)) if config_cls is not None else cls(**opts)
-    except ConfigError as err:
-        raise err.prefixed("options") from None
+    est = ESTIMATORS.build(name, options)
     if not isinstance(est, Estimator):
         raise TypeError(
             f"estimator {name!r} does not satisfy the Estimator protocol (name, cache_kind, "

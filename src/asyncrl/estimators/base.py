@@ -23,10 +23,11 @@ from asyncrl.registry import Registry
 class EstimatorOutput:
     """``loss``: scalar to backpropagate. ``metrics``: detached floats, slash-namespaced
     (e.g. ``"est/teacher_mass"``). ``per_sample``: detached [B] tensors for samples.parquet
-    (e.g. ``"loss"``). ``normalizer``: the count ``loss`` was divided by (valid tokens for
-    ``token_mean``, samples with a valid token for ``seq_mean``); with several data-parallel
-    ranks ``asyncrl.step.loss_step`` uses it to weight every token (sample) the same over all
-    ranks. None: the loss is taken as a per-rank mean (ranks weighted equally)."""
+    (e.g. ``"loss"``). ``normalizer``: how many terms ``loss`` averages (valid tokens for
+    ``token_mean``, samples with a valid token for ``seq_mean``; 0 when none is valid); with
+    several data-parallel ranks ``asyncrl.step.loss_step`` uses it to weight every token
+    (sample) the same over all ranks. None: the loss is taken as a per-rank mean (ranks
+    weighted equally, so a rank with nothing valid still dilutes the others)."""
 
     loss: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
@@ -36,6 +37,21 @@ class EstimatorOutput:
 
 @runtime_checkable
 class Estimator(Protocol):
+    """Structural type of an estimator.
+
+    Optional attributes read when it is composed with controllers
+    (``asyncrl.step.check_composition``), because an importance-weight controller must not
+    count ``π_θ/π_b`` a second time:
+
+    - ``behavior_ratio``: where the loss carries ``π_θ/π_b``: ``None`` (nowhere: the loss at
+      position t is a function of the state, e.g. the KL estimators on teacher scores),
+      ``"token"`` (at the generated token, e.g. ``grpo``), ``"draws"`` (at behavior draws that
+      include the generated token, e.g. ``reverse_kl_mc`` with m draws). An estimator that
+      reads behavior log-probs without declaring it cannot be paired with ``truncated_is``.
+    - ``anchor``: for ``"token"``, ``"behavior"`` (ρ = π_θ/π_b) or ``"proximal"`` (ρ = π_θ/π_prox
+      with π_prox the weights before the step, detached: decoupled PPO).
+    """
+
     name: str
     #: the teacher-cache kind it needs ("topk", "behavior_mc", "token", "teacher_mc", "dense"),
     #: or None for RL estimators that need no teacher (they need a "reward" column instead)

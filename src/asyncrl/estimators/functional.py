@@ -28,6 +28,8 @@ from typing import Literal
 import torch
 from torch.autograd.function import once_differentiable
 
+from asyncrl.logratio import importance_log_ratio
+
 Tail = Literal["drop", "bucket", "renorm"]
 Form = Literal["value", "pg"]
 Advantage = Literal["online", "stale"]
@@ -41,10 +43,9 @@ __all__ = [
     "forward_kl_topk",
     "forward_kl_topk_from_logprobs",
     "gather_logprobs",
+    "gather_logprobs_and_log_tail",
     "grpo_advantages",
-    "importance_log_ratio",
-    "kl_k1",
-    "kl_k3",
+    "importance_log_ratio",  # re-exported from asyncrl.logratio, its home
     "log1mexp",
     "log_tail_mass",
     "policy_gradient_loss",
@@ -57,13 +58,15 @@ __all__ = [
     "reverse_kl_topk_from_logprobs",
 ]
 
-#: |log ρ| is clamped here before exponentiating (as AsyncOPD does) so one wild token cannot overflow.
-LOG_RATIO_CLAMP = 20.0
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; every other float dtype is computed in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: log tail mass of an empty tail (the support is the whole vocabulary): e^-1000 is 0 in every
+#: float dtype, and a finite value keeps ``0 * (lt_w - lt_o)`` away from ``inf - inf``
+LOG_TAIL_FLOOR = -1000.0
 
 
 def _log_mass_ceiling(dtype: torch.dtype) -> float:
@@ -92,29 +95,12 @@ def log_tail_mass(logprobs: torch.Tensor) -> torch.Tensor:
     all the mass up to rounding, and the clamp stops the gradient there (spec T22).
 
     Precision: ``1 − M`` is derived from head log-probs, so in fp32 a tail below ~1e-6 carries
-    a relative error of order ``ε_fp32 / (1 − M)``; compute in fp64 where such tails matter.
+    a relative error of order ``ε_fp32 / (1 − M)`` and one below ~1e-7 is lost. Where the logits
+    are at hand, ``gather_logprobs_and_log_tail`` forms the tail directly (a masked logsumexp),
+    exact in any dtype; the top-k cache stores the teacher's that way.
     """
     lse = torch.logsumexp(logprobs, dim=-1)
     return log1mexp(lse.clamp(max=_log_mass_ceiling(logprobs.dtype)))
-
-
-def importance_log_ratio(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor) -> torch.Tensor:
-    """``log ρ = log π_θ − log π_b``, clamped to ``±LOG_RATIO_CLAMP`` (differentiable inside)."""
-    return (logprobs - behavior_logprobs.to(logprobs.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k1 per-token KL estimate ``log π_θ − log π_ref`` (unbiased for KL(π_θ‖π_ref) under y ~ π_θ)."""
-    return logprobs - ref_logprobs.to(logprobs.dtype)
-
-
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """k3 per-token KL estimate ``e^u − u − 1`` with ``u = log π_ref − log π_θ`` (Schulman 2020).
-
-    Non-negative, unbiased for KL(π_θ‖π_ref) under y ~ π_θ, lower variance than k1.
-    """
-    u = (ref_logprobs.to(logprobs.dtype) - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.expm1(u) - u
 
 
 # --- chunked log-softmax gather -------------------------------------------------------------------
@@ -169,18 +155,29 @@ def gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, chunk_size: int 
     dtype (fp32 for half-precision logits); the result has that dtype. Differentiable w.r.t.
     ``logits``; every chunk size gives the same value and gradient.
     """
+    squeeze_pos = logits.dim() == 2
+    if squeeze_pos:
+        logits, ids = logits.unsqueeze(0), ids.unsqueeze(0)
+    single = ids.dim() == logits.dim() - 1
+    if single:
+        ids = ids.unsqueeze(-1)
+    logits, ids, chunk, _ = _prepare_gather(logits, ids, chunk_size)
+    out = _GatherLogSoftmax.apply(logits, ids.long().contiguous(), chunk)
+    if single:
+        out = out.squeeze(-1)
+    return out.squeeze(0) if squeeze_pos else out
+
+
+def _prepare_gather(
+    logits: torch.Tensor, ids: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Check ``logits [B, T, V]`` and ``ids [B, T, K]``; return them with the chunk length and V."""
     if chunk_size < 0:
         raise ValueError(f"chunk_size must be >= 0 (0 = no chunking), got {chunk_size}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor, got dtype {logits.dtype}")
-    squeeze_pos = logits.dim() == 2
-    if squeeze_pos:
-        logits, ids = logits.unsqueeze(0), ids.unsqueeze(0)
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape [B, T, V], got {tuple(logits.shape)}")
-    single = ids.dim() == logits.dim() - 1
-    if single:
-        ids = ids.unsqueeze(-1)
     if ids.dim() != 3 or ids.shape[:2] != logits.shape[:2]:
         raise ValueError(
             f"ids must have shape [B, T] or [B, T, K] matching logits [B, T, V]={tuple(logits.shape)}, "
@@ -193,10 +190,84 @@ def gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, chunk_size: int 
         raise ValueError(f"ids outside the vocabulary [0, {V}): min {int(ids.min())}, max {int(ids.max())}")
     T = logits.shape[1]
     chunk = T if chunk_size == 0 else min(chunk_size, max(T, 1))
-    out = _GatherLogSoftmax.apply(logits, ids.long().contiguous(), max(chunk, 1))
-    if single:
-        out = out.squeeze(-1)
-    return out.squeeze(0) if squeeze_pos else out
+    return logits, ids, max(chunk, 1), V
+
+
+class _GatherLogSoftmaxTail(torch.autograd.Function):
+    """``log_softmax(z)`` at a support ``S`` = ids ``[B, T, k]`` and the log mass outside it,
+    ``log Σ_{j∉S} π_j = logsumexp_{j∉S} z_j − logsumexp_j z_j`` ``[B, T]``, in sequence chunks.
+
+    The tail is a masked logsumexp of the logits, not ``log(1 − Σ_S π)``: no cancellation, so a
+    tail of 1e-30 is as exact as one of 0.5, in fp32 too. Backward rebuilds both softmaxes one
+    chunk at a time: ``∂ lp_k/∂z_j = 1[j = id_k] − π_j`` and ``∂ lt/∂z_j = 1[j ∉ S] q_j − π_j``
+    with ``q`` the softmax over the tail. An empty tail gives ``LOG_TAIL_FLOOR`` (no gradient).
+    """
+
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, ids: torch.Tensor, chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        cdtype = compute_dtype(logits.dtype)
+        B, T, _ = logits.shape
+        lse = torch.empty(B, T, dtype=cdtype, device=logits.device)
+        lse_tail = torch.empty(B, T, dtype=cdtype, device=logits.device)
+        out = torch.empty(ids.shape, dtype=cdtype, device=logits.device)
+        for s in range(0, T, chunk):
+            z = logits[:, s : s + chunk].to(cdtype)
+            ids_c = ids[:, s : s + chunk]
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse[:, s : s + chunk] = lse_c
+            out[:, s : s + chunk] = z.gather(-1, ids_c) - lse_c.unsqueeze(-1)
+            lse_tail[:, s : s + chunk] = torch.logsumexp(z.scatter(-1, ids_c, -math.inf), dim=-1)
+        tail = (lse_tail - lse).clamp(LOG_TAIL_FLOOR, 0.0)
+        ctx.save_for_backward(logits, ids, lse, lse_tail)
+        ctx.chunk = chunk
+        return out, tail
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx, grad_out: torch.Tensor, grad_tail: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        logits, ids, lse, lse_tail = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        chunk, T = ctx.chunk, logits.shape[1]
+        cdtype = lse.dtype
+        # the clamp at LOG_TAIL_FLOOR (an empty or vanishing tail) passes no gradient
+        live = (lse_tail - lse) > LOG_TAIL_FLOOR
+        grad = torch.empty_like(logits)
+        for s in range(0, T, chunk):
+            sl = slice(s, s + chunk)
+            g = grad_out[:, sl].to(cdtype)  # [B, c, k]
+            gt = torch.where(live[:, sl], grad_tail[:, sl].to(cdtype), 0.0)  # [B, c]
+            ids_c = ids[:, sl]
+            z = logits[:, sl].to(cdtype)
+            soft = (z - lse[:, sl].unsqueeze(-1)).exp()
+            grad_c = soft * -(g.sum(-1) + gt).unsqueeze(-1)
+            grad_c.scatter_add_(-1, ids_c, g)
+            lt_c = torch.where(live[:, sl], lse_tail[:, sl], 0.0).unsqueeze(-1)
+            q = (z - lt_c).exp().scatter(-1, ids_c, 0.0)  # softmax over the tail (0 on S)
+            grad_c += gt.unsqueeze(-1) * torch.where(live[:, sl].unsqueeze(-1), q, 0.0)
+            grad[:, sl] = grad_c
+        return grad, None, None
+
+
+def gather_logprobs_and_log_tail(
+    logits: torch.Tensor, ids: torch.Tensor, *, chunk_size: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits)`` at a support ``ids`` and the log mass outside it, in one pass.
+
+    ``logits [B, T, V]``, ``ids [B, T, k]`` -> ``(logprobs [B, T, k], log_tail [B, T])`` with
+    ``log_tail = log(1 − Σ_{ids} π)`` computed as a masked logsumexp of the logits (exact even
+    for tails far below fp32's epsilon; ``LOG_TAIL_FLOOR`` when the ids cover the vocabulary).
+    Differentiable w.r.t. ``logits``; memory as ``gather_logprobs`` (one ``[B, chunk, V]``
+    temporary at a time, two in backward). Ids should be distinct (a support, not draws).
+    """
+    logits, ids, chunk, _ = _prepare_gather(logits, ids, chunk_size)
+    if ids.dim() != 3:
+        raise ValueError(f"ids must have shape [B, T, k] for a support, got {tuple(ids.shape)}")
+    return _GatherLogSoftmaxTail.apply(logits, ids.long().contiguous(), chunk)
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -232,13 +303,23 @@ def _check_tail(tail: str) -> None:
         raise ValueError(f"tail must be one of 'drop', 'bucket', 'renorm', got {tail!r}")
 
 
-def _support_kl(lq: torch.Tensor, lp: torch.Tensor, tail: str) -> torch.Tensor:
-    """``Σ_S q (log q − log p)`` plus the tail rule; ``q`` is the weighting side. ``[..., k] -> [...]``."""
+def _support_kl(
+    lq: torch.Tensor,
+    lp: torch.Tensor,
+    tail: str,
+    lt_q: torch.Tensor | None = None,
+    lt_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Σ_S q (log q − log p)`` plus the tail rule; ``q`` is the weighting side. ``[..., k] -> [...]``.
+
+    ``lt_q``/``lt_p``: log tail masses ``log(1 − M(S))`` ``[...]``; derived from the head
+    (``log_tail_mass``) when None."""
     head = (lq.exp() * (lq - lp)).sum(-1)
     if tail == "drop":
         return head
     if tail == "bucket":
-        lt_q, lt_p = log_tail_mass(lq), log_tail_mass(lp)
+        lt_q = log_tail_mass(lq) if lt_q is None else lt_q.to(lq.dtype)
+        lt_p = log_tail_mass(lp) if lt_p is None else lt_p.to(lq.dtype)
         return head + lt_q.exp() * (lt_q - lt_p)
     # renorm: KL(q|S ‖ p|S) = head / M_q − log M_q + log M_p
     lm_q, lm_p = torch.logsumexp(lq, dim=-1), torch.logsumexp(lp, dim=-1)
@@ -246,7 +327,12 @@ def _support_kl(lq: torch.Tensor, lp: torch.Tensor, tail: str) -> torch.Tensor:
 
 
 def forward_kl_topk_from_logprobs(
-    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, tail: Tail = "bucket"
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    tail: Tail = "bucket",
+    student_log_tail: torch.Tensor | None = None,
+    teacher_log_tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E3 on already-gathered log-probs: both ``[B, T, k]`` on the teacher's support S -> ``[B, T]``.
 
@@ -259,13 +345,30 @@ def forward_kl_topk_from_logprobs(
 
     Deterministic (no variance) and biased unless S = V. Teacher log-probs must be normalised over
     the full vocabulary, and the support ids distinct.
+
+    ``student_log_tail``/``teacher_log_tail`` ``[B, T]``: ``log(1 − M(S))`` for ``bucket``, formed
+    from the full logits (``gather_logprobs_and_log_tail``; the top-k cache stores the teacher's).
+    When None they are derived from the head log-probs, which in fp32 loses tails below ~1e-7
+    (``log_tail_mass``): with such tails the bucket term loses its meaning and its gradient on
+    the student's tail can take the wrong sign.
     """
     _check_tail(tail)
-    return _support_kl(teacher_logprobs.to(student_logprobs.dtype), student_logprobs, tail)
+    return _support_kl(
+        teacher_logprobs.to(student_logprobs.dtype),
+        student_logprobs,
+        tail,
+        teacher_log_tail,
+        student_log_tail,
+    )
 
 
 def reverse_kl_topk_from_logprobs(
-    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, *, tail: Tail = "bucket"
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    *,
+    tail: Tail = "bucket",
+    student_log_tail: torch.Tensor | None = None,
+    teacher_log_tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E4 on already-gathered log-probs: both ``[B, T, k]`` on a fixed support S -> ``[B, T]``.
 
@@ -277,9 +380,16 @@ def reverse_kl_topk_from_logprobs(
 
     π_θ is recomputed on S at learner time, so no importance ratio is needed (S is enumerated,
     not sampled); the tail bias cannot be reweighted away (no proposal density for the tail).
+    The log tails are as in ``forward_kl_topk_from_logprobs``.
     """
     _check_tail(tail)
-    return _support_kl(student_logprobs, teacher_logprobs.to(student_logprobs.dtype), tail)
+    return _support_kl(
+        student_logprobs,
+        teacher_logprobs.to(student_logprobs.dtype),
+        tail,
+        student_log_tail,
+        teacher_log_tail,
+    )
 
 
 def forward_kl_topk(
@@ -288,16 +398,30 @@ def forward_kl_topk(
     teacher_logprobs: torch.Tensor,
     *,
     tail: Tail = "bucket",
+    teacher_log_tail: torch.Tensor | None = None,
     chunk_size: int = 0,
 ) -> torch.Tensor:
     """E3, sparse ``KL(p‖π_θ)`` on the teacher's top-k: ``[B, T, V]``, ``[B, T, k]`` x2 -> ``[B, T]``.
 
     See ``forward_kl_topk_from_logprobs`` for the tail rules. The support is chosen by the teacher,
-    so there is no token-level staleness.
+    so there is no token-level staleness. ``bucket`` forms the student's tail from its logits
+    (masked logsumexp) and takes the teacher's from ``teacher_log_tail`` (the cache's column; derived
+    from the head when None).
     """
     _check_tail(tail)
-    lq = gather_logprobs(student_logits, teacher_ids, chunk_size=chunk_size)
-    return forward_kl_topk_from_logprobs(lq, teacher_logprobs, tail=tail)
+    lq, lt_q = _support_logprobs(student_logits, teacher_ids, tail, chunk_size)
+    return forward_kl_topk_from_logprobs(
+        lq, teacher_logprobs, tail=tail, student_log_tail=lt_q, teacher_log_tail=teacher_log_tail
+    )
+
+
+def _support_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, tail: str, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Student log-probs on a support, plus its log tail mass when the tail rule needs it."""
+    if tail == "bucket":
+        return gather_logprobs_and_log_tail(logits, ids, chunk_size=chunk_size)
+    return gather_logprobs(logits, ids, chunk_size=chunk_size), None
 
 
 def reverse_kl_topk(
@@ -306,16 +430,19 @@ def reverse_kl_topk(
     teacher_logprobs: torch.Tensor,
     *,
     tail: Tail = "bucket",
+    teacher_log_tail: torch.Tensor | None = None,
     chunk_size: int = 0,
 ) -> torch.Tensor:
     """E4, sparse ``KL(π_θ‖p)`` recomputed on a support S: ``[B, T, V]``, ``[B, T, k]`` x2 -> ``[B, T]``.
 
     See ``reverse_kl_topk_from_logprobs`` for the tail rules. With a behavior-chosen support,
-    coverage ``M_θ(S)`` falls as staleness grows and so does the bias.
+    coverage ``M_θ(S)`` falls as staleness grows and so does the bias. Tails as in ``forward_kl_topk``.
     """
     _check_tail(tail)
-    lq = gather_logprobs(student_logits, support_ids, chunk_size=chunk_size)
-    return reverse_kl_topk_from_logprobs(lq, teacher_logprobs, tail=tail)
+    lq, lt_q = _support_logprobs(student_logits, support_ids, tail, chunk_size)
+    return reverse_kl_topk_from_logprobs(
+        lq, teacher_logprobs, tail=tail, student_log_tail=lt_q, teacher_log_tail=teacher_log_tail
+    )
 
 
 # --- policy gradient core ----------------------------------------------------------------------------
@@ -402,6 +529,7 @@ def reverse_kl_mc_from_logprobs(
     advantage: Advantage = "online",
     clip_eps: float | None = None,
     loo_baseline: bool = False,
+    anchor_logprobs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E5/E6 on gathered log-probs at m draws ``y_j ~ π_b``: three ``[B, T, m]`` -> ``[B, T]``.
 
@@ -416,6 +544,11 @@ def reverse_kl_mc_from_logprobs(
 
     Variance is ``Var_1 / m`` for i.i.d. draws (duplicates kept); m = 1 is the single-sample
     estimator. The cache holds the proposal density π_b(y_j), so the estimate is MC-correctable.
+
+    ``anchor_logprobs``: the denominator of ρ (default ``proposal_logprobs``). Decoupled PPO
+    passes ``sg(student_logprobs)`` (π_prox, the weights before the step): ρ = 1 in value with
+    ``∇ρ = ∇log π_θ``, and the caller weights each term by ``π_prox/π_b`` (the expectations
+    above then hold with that weight in place of ρ). The stale advantage keeps ``log π_b``.
     """
     if form not in ("value", "pg"):
         raise ValueError(f"form must be 'value' or 'pg', got {form!r}")
@@ -424,13 +557,14 @@ def reverse_kl_mc_from_logprobs(
     lq = student_logprobs
     lb = proposal_logprobs.to(lq.dtype)
     lp = teacher_logprobs.to(lq.dtype)
+    base = lb if anchor_logprobs is None else anchor_logprobs.to(lq.dtype)
     if form == "value":
         if advantage != "online" or clip_eps is not None or loo_baseline:
             raise ValueError(
                 "form='value' is the differentiable estimate of KL(π_θ‖p) itself: it needs "
                 "advantage='online', clip_eps=None and loo_baseline=False"
             )
-        rho = importance_log_ratio(lq, lb).exp()
+        rho = importance_log_ratio(lq, base).exp()
         return (rho * (lq - lp)).mean(-1)
     adv = (lp - lq).detach() if advantage == "online" else lp - lb
     if loo_baseline:
@@ -438,7 +572,7 @@ def reverse_kl_mc_from_logprobs(
         if m < 2:
             raise ValueError("loo_baseline needs m >= 2 samples per position")
         adv = adv - (adv.sum(-1, keepdim=True) - adv) / (m - 1)
-    return policy_gradient_loss(lq, lb, adv, clip_eps=clip_eps).mean(-1)
+    return policy_gradient_loss(lq, base, adv, clip_eps=clip_eps).mean(-1)
 
 
 def reverse_kl_mc(

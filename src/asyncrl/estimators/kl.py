@@ -28,8 +28,8 @@ from asyncrl.estimators.token_loss import (
     EstimatorOptions,
     TokenLoss,
     TokenLossEstimator,
-    masked_mean,
 )
+from asyncrl.logratio import masked_mean
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,10 @@ class _SupportKL(TokenLossEstimator):
     def required_columns(self) -> frozenset[str]:
         if self.config.dense:
             return frozenset({R.COMPLETION_MASK, R.TEACHER_LOGITS})
-        return frozenset({R.COMPLETION_MASK, R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS})
+        cols = {R.COMPLETION_MASK, R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS}
+        if self.config.tail == "bucket":
+            cols.add(R.TEACHER_TOPK_LOG_TAIL)
+        return frozenset(cols)
 
     def token_loss(self, x: EstimatorInputs) -> TokenLoss:
         cfg, batch, mask = self.config, x.batch, x.mask
@@ -67,13 +70,20 @@ class _SupportKL(TokenLossEstimator):
         else:
             ids = batch[R.TEACHER_TOPK_IDS]
             k = ids.shape[-1]
-            lq = x.logprobs_at(ids)  # [B, T, k]
+            tails: dict[str, torch.Tensor] = {}
+            if cfg.tail == "bucket":  # both tails exact: the student's from its logits, the teacher's stored
+                lq, tails["student_log_tail"] = x.logprobs_and_log_tail_at(ids)
+                lt_p = batch[R.TEACHER_TOPK_LOG_TAIL].to(lq.dtype)
+                tails["teacher_log_tail"] = fill_padding(lt_p, mask, -math.log(k + 1))
+            else:
+                lq = x.logprobs_at(ids)  # [B, T, k]
+            # padding: head mass k/(k+1), tail 1/(k+1) (finite, harmless)
             lp = fill_padding(batch[R.TEACHER_TOPK_LOGPROBS].to(lq.dtype), mask, -math.log(k + 1))
-            per_token = self._topk_fn(lq, lp, tail=cfg.tail)
+            per_token = self._topk_fn(lq, lp, tail=cfg.tail, **tails)
             with torch.no_grad():
-                metrics["est/teacher_mass"] = masked_mean(torch.logsumexp(lp, -1).exp(), mask)
-                metrics["est/student_mass"] = masked_mean(torch.logsumexp(lq, -1).exp(), mask)
-        metrics["est/kl_value"] = masked_mean(per_token, mask)
+                metrics["est/teacher_mass"] = float(masked_mean(torch.logsumexp(lp, -1).exp(), mask))
+                metrics["est/student_mass"] = float(masked_mean(torch.logsumexp(lq, -1).exp(), mask))
+        metrics["est/kl_value"] = float(masked_mean(per_token.detach(), mask))
         return TokenLoss(per_token, metrics)
 
 
@@ -83,7 +93,9 @@ class ForwardKL(_SupportKL):
 
     - Estimand: ``FKL(s) = Σ_y p (log p − log π_θ)`` per completion position.
     - Cache: ``topk`` (``teacher_topk_ids``/``teacher_topk_logprobs``, log-probs normalised over
-      the full vocabulary) or ``dense`` (``teacher_logits``) with ``dense=True``.
+      the full vocabulary, and ``teacher_topk_log_tail`` for the ``bucket`` tail) or ``dense``
+      (``teacher_logits``) with ``dense=True``. Both tails of the bucket are exact log masses
+      (the student's a masked logsumexp of its logits), so a tiny tail keeps its meaning in fp32.
     - Bias/variance: zero variance. Exact when dense or k = |V|; otherwise biased by the tail:
       ``bucket`` gives ``0 ≤ L ≤ FKL`` (gap ``(1−M_p) KL(p|T ‖ π_θ|T)``), ``drop`` drives the
       student tail to 0, ``renorm`` ignores the student's mass on S.

@@ -20,18 +20,18 @@ from asyncrl.estimators.base import ESTIMATORS
 from asyncrl.estimators.columns import fill_padding
 from asyncrl.estimators.functional import (
     forward_kl_mc_from_logprobs,
-    importance_log_ratio,
     reverse_kl_mc_from_logprobs,
     reverse_kl_stratified_from_logprobs,
 )
+from asyncrl.estimators.grpo import check_proximal_unclipped
 from asyncrl.estimators.token_loss import (
     EstimatorInputs,
     EstimatorOptions,
     TokenLoss,
     TokenLossEstimator,
     masked_max,
-    masked_mean,
 )
+from asyncrl.logratio import importance_log_ratio, masked_mean
 
 
 def _ratio_metrics(
@@ -47,9 +47,9 @@ def _ratio_metrics(
     rho = log_rho.exp()
     ess = torch.exp(2 * torch.logsumexp(log_rho, -1) - torch.logsumexp(2 * log_rho, -1) - math.log(m))
     return {
-        "est/is_ratio_mean": masked_mean(rho, draw_mask),
+        "est/is_ratio_mean": float(masked_mean(rho, draw_mask)),
         "est/is_ratio_max": masked_max(rho, draw_mask),
-        "est/ess_mc": masked_mean(ess, mask),
+        "est/ess_mc": float(masked_mean(ess, mask)),
     }
 
 
@@ -67,6 +67,11 @@ class ReverseKLMCOptions(EstimatorOptions):
     source: Literal["mc", "token"] = field(
         "mc",
         help="mc: m behavior draws (cache behavior_mc); token: the generated token only (cache token, m = 1)",
+    )
+    anchor: Literal["behavior", "proximal"] = field(
+        "behavior",
+        help="ratio denominator: behavior (ρ = π_θ/π_b) or proximal (ρ = π_θ/π_prox, decoupled PPO with "
+        "truncated_is weighting π_prox/π_b; source=token, clip_eps null)",
     )
 
     def __post_init__(self) -> None:
@@ -94,6 +99,14 @@ class ReverseKLMCOptions(EstimatorOptions):
             self.loo_baseline,
             "a leave-one-out baseline needs source='mc' with m >= 2",
         )
+        check(
+            self.anchor == "behavior" or self.source == "token",
+            "anchor",
+            self.anchor,
+            "source='mc' importance-weights its m draws by π_θ/π_b itself; anchor='proximal' (for "
+            "truncated_is weights on the generated token) needs source='token'",
+        )
+        check_proximal_unclipped(self.anchor, self.clip_eps)
 
 
 @ESTIMATORS.register("reverse_kl_mc")
@@ -109,7 +122,9 @@ class ReverseKLMC(TokenLossEstimator):
       ``Var_1/m`` and growing like ``E_{π_b}[ρ² l²]`` with staleness. ``advantage="stale"`` adds
       ``−∇KL(π_θ‖π_b)`` to the expected gradient; clipping bounds variance at the price of bias.
     - Staleness: enters only through ρ (corrects the token choice) and the advantage (online
-      recomputes it); watch ``est/ess_mc``.
+      recomputes it); watch ``est/ess_mc``. With ``source='token'`` and ``anchor='proximal'``
+      the ratio is π_θ/π_prox and ``truncated_is`` supplies π_prox/π_b (decoupled PPO, see
+      ``asyncrl.estimators.grpo``).
     - Metrics: ``est/is_ratio_mean|max``, ``est/ess_mc`` (ESS/m per position, mean),
       ``est/clip_frac`` (when clipped), ``est/kl_value`` (value-form estimate of RKL).
     """
@@ -120,6 +135,16 @@ class ReverseKLMC(TokenLossEstimator):
     @property
     def cache_kind(self) -> str | None:
         return "behavior_mc" if self.config.source == "mc" else "token"
+
+    @property
+    def behavior_ratio(self) -> str:
+        """Where its loss carries π_θ/π_b (``asyncrl.step.check_composition``): at the generated
+        token (``source='token'``) or at m draws that include it (``source='mc'``)."""
+        return "token" if self.config.source == "token" else "draws"
+
+    @property
+    def anchor(self) -> str:
+        return self.config.anchor
 
     def required_columns(self) -> frozenset[str]:
         if self.config.source == "mc":
@@ -147,17 +172,18 @@ class ReverseKLMC(TokenLossEstimator):
             advantage=cfg.advantage,
             clip_eps=cfg.clip_eps,
             loo_baseline=cfg.loo_baseline,
+            anchor_logprobs=lq.detach() if cfg.anchor == "proximal" else None,  # π_prox = sg(π_θ)
         )
         with torch.no_grad():
             lqd = lq.detach()
             log_rho = importance_log_ratio(lqd, lb)
             metrics = _ratio_metrics(log_rho, mask)
-            metrics["est/kl_value"] = masked_mean((log_rho.exp() * (lqd - lp)).mean(-1), mask)
+            metrics["est/kl_value"] = float(masked_mean((log_rho.exp() * (lqd - lp)).mean(-1), mask))
             if cfg.form == "pg" and cfg.clip_eps is not None:
                 adv = lp - (lqd if cfg.advantage == "online" else lb)
                 rho = log_rho.exp()
                 clipped = ((adv > 0) & (rho > 1 + cfg.clip_eps)) | ((adv < 0) & (rho < 1 - cfg.clip_eps))
-                metrics["est/clip_frac"] = masked_mean(clipped.to(lqd.dtype), mask)
+                metrics["est/clip_frac"] = float(masked_mean(clipped.to(lqd.dtype), mask))
         return TokenLoss(per_token, metrics)
 
 
@@ -191,8 +217,8 @@ class ForwardKLMC(TokenLossEstimator):
         lp = fill_padding(x.batch[R.TEACHER_MC_LOGPROBS].to(lq.dtype), mask, 0.0)
         per_token = forward_kl_mc_from_logprobs(lq, lp)
         metrics = {
-            "est/kl_value": masked_mean(per_token, mask),
-            "est/student_logprob": masked_mean(lq.mean(-1), mask),
+            "est/kl_value": float(masked_mean(per_token.detach(), mask)),
+            "est/student_logprob": float(masked_mean(lq.detach().mean(-1), mask)),
         }
         return TokenLoss(per_token, metrics)
 
@@ -219,6 +245,8 @@ class ReverseKLStratified(TokenLossEstimator):
     name = "reverse_kl_stratified"
     Config = ReverseKLStratifiedOptions
     cache_kind: str | None = "topk_behavior_mc"
+    #: its tail importance-weights m behavior draws that include the generated token
+    behavior_ratio = "draws"
 
     def required_columns(self) -> frozenset[str]:
         return frozenset(
@@ -246,8 +274,8 @@ class ReverseKLStratified(TokenLossEstimator):
         per_token = reverse_kl_stratified_from_logprobs(lq_s, lp_s, lq_y, lb_y, lp_y, in_support)
         with torch.no_grad():
             metrics = _ratio_metrics(importance_log_ratio(lq_y.detach(), lb_y), mask, valid=~in_support)
-            metrics["est/teacher_mass"] = masked_mean(torch.logsumexp(lp_s, -1).exp(), mask)
-            metrics["est/student_mass"] = masked_mean(torch.logsumexp(lq_s.detach(), -1).exp(), mask)
-            metrics["est/tail_sample_frac"] = masked_mean((~in_support).to(lq.dtype), mask)
-            metrics["est/kl_value"] = masked_mean(per_token, mask)
+            metrics["est/teacher_mass"] = float(masked_mean(torch.logsumexp(lp_s, -1).exp(), mask))
+            metrics["est/student_mass"] = float(masked_mean(torch.logsumexp(lq_s.detach(), -1).exp(), mask))
+            metrics["est/tail_sample_frac"] = float(masked_mean((~in_support).to(lq.dtype), mask))
+            metrics["est/kl_value"] = float(masked_mean(per_token, mask))
         return TokenLoss(per_token, metrics)

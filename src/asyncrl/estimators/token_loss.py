@@ -19,7 +19,7 @@ from asyncrl import records as R
 from asyncrl.configurable import check, field
 from asyncrl.estimators.base import EstimatorOutput, bind_config
 from asyncrl.estimators.columns import check_inputs, check_token_logprobs
-from asyncrl.estimators.functional import gather_logprobs
+from asyncrl.estimators.functional import gather_logprobs, gather_logprobs_and_log_tail
 
 Aggregation = Literal["token_mean", "seq_mean"]
 
@@ -96,22 +96,13 @@ def _check_aggregation(aggregation: str) -> None:
 
 
 def reduction_count(mask: torch.Tensor, aggregation: Aggregation = "token_mean") -> int:
-    """What ``reduce_loss`` divides by: valid tokens (``token_mean``) or samples with at least one
-    valid token (``seq_mean``); at least 1."""
+    """How many terms ``reduce_loss`` averages: valid tokens (``token_mean``) or samples with at
+    least one valid token (``seq_mean``). 0 when nothing is valid (the loss is then 0; the
+    division itself uses at least 1), so a rank whose samples were all dropped adds nothing to
+    the global normaliser ``asyncrl.step.loss_step`` sums over ranks."""
     _check_aggregation(aggregation)
     mask = mask.bool()
-    n = int(mask.sum()) if aggregation == "token_mean" else int(mask.any(-1).sum())
-    return max(n, 1)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    """Detached mean of ``x`` over valid positions (``mask`` broadcast over trailing axes); 0 if none."""
-    m = mask.bool()
-    while m.dim() < x.dim():
-        m = m.unsqueeze(-1)
-    m = m.expand_as(x)
-    n = int(m.sum())
-    return float(x.detach()[m].sum() / n) if n else 0.0
+    return int(mask.sum()) if aggregation == "token_mean" else int(mask.any(-1).sum())
 
 
 def masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -138,6 +129,11 @@ class EstimatorInputs:
     def logprobs_at(self, ids: torch.Tensor) -> torch.Tensor:
         """``log π_θ`` at ``ids`` [B, T, K] -> [B, T, K] (differentiable, chunked log-softmax)."""
         return gather_logprobs(self.student_logits, ids.long(), chunk_size=self.chunk_size)
+
+    def logprobs_and_log_tail_at(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log π_θ`` at a support ``ids`` [B, T, k] and ``log(1 − M_θ(ids))`` [B, T], exact (masked
+        logsumexp of the logits, not ``1 − Σ π``), both differentiable."""
+        return gather_logprobs_and_log_tail(self.student_logits, ids.long(), chunk_size=self.chunk_size)
 
     def generated_logprobs(self) -> torch.Tensor:
         """``log π_θ(y_t)`` [B, T] at ``completion_ids``: the caller's ``token_logprobs`` when given

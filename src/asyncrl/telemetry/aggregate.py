@@ -36,7 +36,7 @@ __all__ = [
     "write_table",
 ]
 
-#: column-name prefixes of the per-run figures taken from metrics.jsonl: ``final:loss``, ``mean:ess/rho``
+#: column-name prefixes of the per-run figures taken from metrics.jsonl: ``final:loss``, ``mean:ess/rho_seq``
 FINAL = "final:"
 MEAN = "mean:"
 #: suffixes of the per-setting columns of ``seed_table``: ``eval_accuracy_final:mean`` etc.

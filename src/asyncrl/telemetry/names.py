@@ -28,8 +28,12 @@ LAG_MEAN = "staleness/lag_mean"
 LAG_MAX = "staleness/lag_max"
 #: samples dropped at consumption in this step because their lag exceeded max_lag
 DROPPED = "staleness/dropped"
-#: ESS fraction rho = (sum w)^2 / (N sum w^2) of the sequence importance weights pi_theta/pi_b
-ESS_RHO = "ess/rho"
+#: the learner's ESS fraction rho = (sum w)^2 / (N sum w^2) of the unclipped sequence importance
+#: weights w = pi_theta/pi_b over every rank's kept samples; logged every step, whatever the controllers
+ESS_RHO = "ess/rho_seq"
+#: the ESS fraction the ``ess_lr`` controller scaled the LR by (its ``source``: seq, seq_clipped or
+#: tok), logged by the controller only when it runs; differs from ``ESS_RHO`` unless source=seq
+ESS_LR_RHO = "ess/rho"
 LR_APPLIED = "lr/applied"
 LR_SCHEDULED = "lr/scheduled"
 #: KL(pi_b || pi_theta) per token over the sampled tokens (k3 estimator), batch mean
@@ -37,6 +41,18 @@ KL_BEHAVIOR_CURRENT = "kl/behavior_current"
 GRAD_NORM = "grad/norm"
 #: cosine between this step's gradient and the previous step's (GAC)
 GAC_COS_PREV = "gac/cos_prev"
+#: cosine between the gradients applied at this step and the previous one (telemetry.grad_cos_prev)
+GRAD_COS_PREV = "grad/cos_prev"
+#: gradient diagnostics against the exact dense KL (telemetry.grad_reference; asyncrl.telemetry.gradients)
+GRADREF_COS = "gradref/cos"
+GRADREF_REL_ERR = "gradref/rel_err"
+GRADREF_BIAS_SQ_REL = "gradref/bias_sq_rel"
+GRADREF_NOISE_REL = "gradref/noise_rel"
+#: exact KL(pi_theta || p) and KL(p || pi_theta) per valid token on the probed batch (grad_reference)
+KL_TEACHER_REVERSE = "kl/teacher_reverse"
+KL_TEACHER_FORWARD = "kl/teacher_forward"
+#: teacher probability mass the cache keeps per position (top-k caches), per-sample mean over tokens
+SAMPLE_TEACHER_MASS = "teacher_mass"
 SAMPLES_PER_S = "throughput/samples_per_s"
 #: samples trained in this step (all ranks)
 SAMPLES_KEPT = "samples/kept"
@@ -51,6 +67,23 @@ LEARNER_IDLE_FRAC = "throughput/learner_idle_frac"
 TEACHER_MASS = "est/teacher_mass"
 #: greedy exact-match accuracy; present only on eval steps
 EVAL_ACCURACY = "eval/accuracy"
+#: start-up marks (wall clock, epoch seconds), logged with the learner process's first step: its
+#: training loop began, it published its first weights (admission opened), its first rollout
+#: batch arrived, its first optimizer step was done
+LEARNER_START_AT = "time/learner_start_at"
+LEARNER_READY_AT = "time/learner_ready_at"
+FIRST_BATCH_AT = "time/first_batch_at"
+FIRST_STEP_AT = "time/first_step_at"
+STARTUP_MARKS = (LEARNER_START_AT, LEARNER_READY_AT, FIRST_BATCH_AT, FIRST_STEP_AT)
+#: summary.json: where a run's start-up went (``telemetry.summary.startup``), in order
+STARTUP_PARTS = (
+    "startup_driver_s",
+    "startup_train_workers_s",
+    "startup_learner_init_s",
+    "startup_first_batch_s",
+    "startup_first_step_s",
+    "startup_ray_init_s",
+)
 
 BUCKET_PREFIX = "bucket/"
 
@@ -85,7 +118,12 @@ SAMPLE_COLUMNS = (
     "completion_len",
     "loss",
     "step",
+    "drop_reason",
 )
+#: per-sample ``drop_reason``: "" for a trained sample, else why it was consumed without training
+DROP_REASON = "drop_reason"
+DROPPED_CONTROLLERS = "controllers"  # the controller chain's keep() said no (e.g. lag > max_lag)
+DROPPED_NONFINITE = "nonfinite"  # its optimizer step had a non-finite loss or gradient (skipped)
 
 # --- summary.json ----------------------------------------------------------------------------
 SUMMARY_KEYS = (
@@ -106,24 +144,57 @@ SUMMARY_KEYS = (
     "reward_mean_last",
     "admission_wait_s",
     "in_flight_regenerated_on_resume",
+    "status",
+    "error",
+    "samples_drawn",
+    "samples_dropped_controllers",
+    "samples_dropped_nonfinite",
+    "samples_regenerated",
+    "samples_in_flight_end",
+    "ledger_balanced",
+    "learner_restarts",
+    "driver_resumes",
     "generation_retries",
     "engine_restarts",
+    "startup_s",
+    "first_step_s",
+    *STARTUP_PARTS,
     "run_dir",
 )
+#: summary ``status``: the run reached train.steps / stopped with an error / was stopped by the
+#: numerics guard (train.max_nonfinite_steps)
+STATUS_COMPLETED = "completed"
+STATUS_FAILED = "failed"
+STATUS_ABORTED = "aborted"
 
 __all__ = [
     "BUCKET_PREFIX",
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
     "DROPPED",
+    "DROPPED_CONTROLLERS",
+    "DROPPED_NONFINITE",
+    "DROP_REASON",
+    "ESS_LR_RHO",
     "ESS_RHO",
     "EVAL_ACCURACY",
+    "FIRST_BATCH_AT",
+    "FIRST_STEP_AT",
     "GAC_COS_PREV",
+    "GRADREF_BIAS_SQ_REL",
+    "GRADREF_COS",
+    "GRADREF_NOISE_REL",
+    "GRADREF_REL_ERR",
+    "GRAD_COS_PREV",
     "GRAD_NORM",
     "KL_BEHAVIOR_CURRENT",
+    "KL_TEACHER_FORWARD",
+    "KL_TEACHER_REVERSE",
     "LAG_MAX",
     "LAG_MEAN",
     "LEARNER_IDLE_FRAC",
+    "LEARNER_READY_AT",
+    "LEARNER_START_AT",
     "LOSS",
     "LR_APPLIED",
     "LR_SCHEDULED",
@@ -135,6 +206,12 @@ __all__ = [
     "SAMPLES_PARTS_DIR",
     "SAMPLES_PER_S",
     "SAMPLE_COLUMNS",
+    "SAMPLE_TEACHER_MASS",
+    "STARTUP_MARKS",
+    "STARTUP_PARTS",
+    "STATUS_ABORTED",
+    "STATUS_COMPLETED",
+    "STATUS_FAILED",
     "STEP",
     "SUMMARY_FILE",
     "SUMMARY_KEYS",

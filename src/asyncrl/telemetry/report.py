@@ -287,6 +287,19 @@ def _panel_kl_buckets(runs: Sequence[RunRecords]) -> Figure | None:
     return fig
 
 
+def _with_teacher(runs: Sequence[RunRecords], fig: Figure | None) -> Figure | None:
+    """A dotted line at the teacher's accuracy (from the runs' summaries) on the accuracy subplots."""
+    teacher = [r.summary.get("teacher_accuracy") for r in runs if r.summary]
+    teacher = [t for t in teacher if isinstance(t, int | float)]
+    if fig is None or not teacher:
+        return fig
+    for ax in fig.axes:
+        if ax.get_ylabel() == "eval accuracy" and ax.lines:
+            ax.axhline(max(teacher), color="0.3", ls=":", lw=1.2, label="teacher")
+            ax.legend(fontsize=7)
+    return fig
+
+
 @dataclass(frozen=True)
 class _Panel:
     title: str
@@ -328,25 +341,48 @@ _PANELS = (
     ),
     _Panel(
         "Gradient norm and alignment",
-        "Global gradient norm before clipping, and the cosine to the previous step's gradient (GAC).",
-        f"{names.GRAD_NORM}, {names.GAC_COS_PREV}",
+        "Global gradient norm before clipping; the cosine to the previous step's gradient as the GAC "
+        "controller sees it, and of the applied gradients (telemetry.grad_cos_prev).",
+        f"{names.GRAD_NORM}, {names.GAC_COS_PREV}, {names.GRAD_COS_PREV}",
         lambda runs: _line_panel(
             runs,
-            [(names.GRAD_NORM, names.STEP, "grad norm"), (names.GAC_COS_PREV, names.STEP, "cos(g_t, g_t-1)")],
+            [
+                (names.GRAD_NORM, names.STEP, "grad norm"),
+                (names.GAC_COS_PREV, names.STEP, "GAC cos(g_t, g_t-1)"),
+                (names.GRAD_COS_PREV, names.STEP, "applied cos(g_t, g_t-1)"),
+            ],
+        ),
+    ),
+    _Panel(
+        "Gradient against the exact dense KL",
+        "telemetry.grad_reference=dense: cosine of the estimator's gradient to the exact KL gradient on "
+        "the same batch, and its squared bias and noise variance relative to |g|^2 (split halves).",
+        f"{names.GRADREF_COS}, {names.GRADREF_BIAS_SQ_REL}, {names.GRADREF_NOISE_REL}",
+        lambda runs: _line_panel(
+            runs,
+            [
+                (names.GRADREF_COS, names.STEP, "cos(estimator, dense)"),
+                (names.GRADREF_BIAS_SQ_REL, names.STEP, "bias^2 / |g|^2"),
+                (names.GRADREF_NOISE_REL, names.STEP, "noise variance / |g|^2"),
+            ],
         ),
     ),
     _Panel(
         "Loss and accuracy",
-        "Against optimizer steps and against wall time: asynchrony pays off only if it wins on wall time.",
+        "Against optimizer steps and against wall time: asynchrony pays off only if it wins on wall time. "
+        "The dotted line is the teacher's accuracy (OPD), the level the student can approach.",
         f"{names.LOSS}, {names.EVAL_ACCURACY}",
-        lambda runs: _line_panel(
+        lambda runs: _with_teacher(
             runs,
-            [
-                (names.LOSS, names.STEP, "loss"),
-                (names.LOSS, names.TIME_S, "loss"),
-                (names.EVAL_ACCURACY, names.STEP, "eval accuracy"),
-                (names.EVAL_ACCURACY, names.TIME_S, "eval accuracy"),
-            ],
+            _line_panel(
+                runs,
+                [
+                    (names.LOSS, names.STEP, "loss"),
+                    (names.LOSS, names.TIME_S, "loss"),
+                    (names.EVAL_ACCURACY, names.STEP, "eval accuracy"),
+                    (names.EVAL_ACCURACY, names.TIME_S, "eval accuracy"),
+                ],
+            ),
         ),
     ),
     _Panel(

@@ -117,6 +117,9 @@ class RunWriter:
         truncate_after_step: with ``resume``, the last step whose records are kept
             (the checkpoint's last completed step); records of later steps are dropped.
             ``None`` keeps everything already logged. Ignored without ``resume``.
+        keep_sample_ids: with ``resume``, the checkpoint's ledger: exactly the sample rows whose
+            ``sample_id`` it holds are kept (instead of cutting them by step), so the rows match
+            the ledger also when the checkpoint follows consumptions that took no step.
     """
 
     def __init__(
@@ -126,6 +129,7 @@ class RunWriter:
         tensorboard: bool = True,
         resume: bool = False,
         truncate_after_step: int | None = None,
+        keep_sample_ids: np.ndarray | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +139,7 @@ class RunWriter:
         self._time_offset = 0.0
         self._closed = False
         if resume:
-            self._reopen(truncate_after_step)
+            self._reopen(truncate_after_step, keep_sample_ids)
         else:
             self._discard_previous()
         self._next_part = 1 + max(
@@ -152,7 +156,7 @@ class RunWriter:
         for name in (names.SAMPLES_PARTS_DIR, names.TENSORBOARD_DIR):
             shutil.rmtree(self.run_dir / name, ignore_errors=True)
 
-    def _reopen(self, keep_upto: int | None) -> None:
+    def _reopen(self, keep_upto: int | None, keep_ids: np.ndarray | None = None) -> None:
         def keep(step: Any) -> bool:
             return keep_upto is None or (step is not None and step <= keep_upto)
 
@@ -168,12 +172,15 @@ class RunWriter:
             shutil.rmtree(self._parts_dir, ignore_errors=True)
             self._parts_dir.mkdir()
             os.replace(consolidated, self._parts_dir / "part-000000.parquet")
-        if keep_upto is not None:
+        if keep_upto is not None or keep_ids is not None:
+            by_id = keep_ids is not None
+            column = "sample_id" if by_id else names.STEP
             for part in _sample_parts(self.run_dir):
                 table = pq.read_table(part)
-                if names.STEP not in table.column_names:
+                if column not in table.column_names:
                     continue
-                mask = np.asarray(table.column(names.STEP).to_numpy(zero_copy_only=False) <= keep_upto)
+                values = table.column(column).to_numpy(zero_copy_only=False)
+                mask = np.isin(values, keep_ids) if by_id else np.asarray(values <= keep_upto)
                 if mask.all():
                     continue
                 if not mask.any():

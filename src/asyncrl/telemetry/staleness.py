@@ -25,14 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.controllers.functional import (
-    ess_fraction,
-    kl_k1,
-    kl_k3,
-    masked_mean,
-    masked_token_log_ratio,
-    sequence_log_ratio,
-)
+from asyncrl.controllers.functional import ess_fraction
+from asyncrl.logratio import kl_qp_k1, kl_qp_k3, masked_mean, masked_token_log_ratio, sequence_log_ratio
 from asyncrl.telemetry.names import bucket_key
 
 LAG_BUCKETS: tuple[str, ...] = ("0", "1", "2", "3-4", "5-8", "9-16", "17+")
@@ -127,8 +121,8 @@ def per_sample_kl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k1, k3)``: per-sample [B] token means of KL(pi_b || pi_theta) estimators over valid tokens."""
     m = mask.bool()
-    lr = masked_token_log_ratio(logprobs, behavior_logprobs, m)
-    return masked_mean(kl_k1(lr), m, dim=-1), masked_mean(kl_k3(lr), m, dim=-1)
+    lp, lb = logprobs.detach(), behavior_logprobs.detach()
+    return masked_mean(kl_qp_k1(lb, lp), m, dim=-1), masked_mean(kl_qp_k3(lb, lp), m, dim=-1)
 
 
 def ess_variants(
@@ -156,14 +150,14 @@ def staleness_step_metrics(
     """One learner step's staleness telemetry: lag stats and histogram, batch KL (``kl/k1``,
     ``kl/behavior_current`` = k3) and ESS variants, each also per lag bucket."""
     m = mask.bool()
-    lr = masked_token_log_ratio(logprobs, behavior_logprobs, m)
-    k1, k3 = masked_mean(kl_k1(lr), m, dim=-1), masked_mean(kl_k3(lr), m, dim=-1)
+    lp, lb = logprobs.detach(), behavior_logprobs.detach()
+    k1, k3 = masked_mean(kl_qp_k1(lb, lp), m, dim=-1), masked_mean(kl_qp_k3(lb, lp), m, dim=-1)
     lags_np = _np(lags).astype(np.int64)
     out: dict[str, float] = {
         "staleness/lag_mean": float(lags_np.mean()) if lags_np.size else 0.0,
         "staleness/lag_max": float(lags_np.max()) if lags_np.size else 0.0,
-        "kl/k1": float(masked_mean(kl_k1(lr), m)),
-        "kl/behavior_current": float(masked_mean(kl_k3(lr), m)),
+        "kl/k1": float(masked_mean(kl_qp_k1(lb, lp), m)),
+        "kl/behavior_current": float(masked_mean(kl_qp_k3(lb, lp), m)),
         **lag_histogram(lags_np),
         **{f"ess/{k}": v for k, v in ess_variants(logprobs, behavior_logprobs, mask, clip=clip).items()},
     }

@@ -21,8 +21,13 @@ from asyncrl.controllers.functional import ess_fraction
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.staleness import per_bucket
 
-#: bookkeeping and timing columns copied from the batch into samples.parquet when present
+#: bookkeeping and timing columns copied from the batch into samples.parquet when present: the
+#: block's position in the stream, the learner version at its admission and the version the
+#: admission expected to train it (``AdmissionBudget``), placement and timings
 BATCH_EXTRAS = (
+    R.BLOCK_INDEX,
+    "admit_version",
+    "expected_version",
     "gen_node",
     "score_node",
     "gen_time_s",
@@ -39,8 +44,10 @@ def step_metrics(result: Any) -> dict[str, float]:
     out = dict(result.metrics)
     lags = result.lags_global.double()
     out[N.DROPPED] = float(result.n_dropped)
-    out[N.SAMPLES_KEPT] = float(result.n_kept)
-    if result.n_kept:
+    # a skipped non-finite step trained nothing (its samples' drop_reason says so), and its
+    # figures are NaN: only numerics/skipped is reported for it
+    out[N.SAMPLES_KEPT] = 0.0 if result.nonfinite else float(result.n_kept)
+    if result.n_kept and not result.nonfinite:
         out.update(
             {
                 N.LOSS: result.loss,
@@ -80,20 +87,40 @@ def sample_rows(batch: Mapping[str, Any], result: Any, version: int, step: int) 
         **result.samples,
     }
     rows.update({k: np.asarray(batch[k]) for k in BATCH_EXTRAS if k in batch})
+    # the ledger per sample: a non-finite step trained nothing, so its samples count as dropped
+    passed = np.asarray(result.samples["kept"]).astype(bool)
+    rows["kept"] = passed & (not result.nonfinite)
+    rows[N.DROP_REASON] = np.where(
+        passed, N.DROPPED_NONFINITE if result.nonfinite else "", N.DROPPED_CONTROLLERS
+    ).astype(object)
+    if R.TEACHER_TOPK_LOGPROBS in batch:
+        rows[N.SAMPLE_TEACHER_MASS] = teacher_mass(batch[R.TEACHER_TOPK_LOGPROBS], mask)
     return rows
+
+
+def teacher_mass(topk_logprobs: Any, mask: np.ndarray) -> np.ndarray:
+    """Per sample: the mean over its valid tokens of the teacher mass the top-k cache kept,
+    ``M_p(S) = Σ_k p``; NaN for a sample with no valid token."""
+    lp = np.asarray(topk_logprobs, dtype=np.float64)
+    mass = np.exp(lp).sum(-1)  # [B, T]
+    n = mask.sum(1)
+    total = np.where(mask, mass, 0.0).sum(1)
+    return np.where(n > 0, total / np.maximum(n, 1), np.nan)
 
 
 def bucket_metrics(rows: Mapping[str, np.ndarray]) -> dict[str, float]:
     """``bucket/<lag>/<metric>`` over the kept samples (every rank's rows): loss, KL(behavior ||
-    current), reward, the count ``n`` and ``ess``, the ESS fraction of the bucket's sequence
-    weights ``exp(seq_log_ratio)`` (how far importance weighting would thin that bucket out)."""
+    current), reward, the top-k cache's teacher mass (when the rows have it), the count ``n`` and
+    ``ess``, the ESS fraction of the bucket's sequence weights ``exp(seq_log_ratio)`` (how far
+    importance weighting would thin that bucket out)."""
     kept = np.asarray(rows["kept"]).astype(bool)
     out: dict[str, float] = {}
     if not kept.any():
         return out
     lags = rows["lag"][kept]
-    for name in ("loss", "kl_behavior_current", "reward"):
-        out.update(per_bucket(rows[name][kept], lags, name=name))
+    for name in ("loss", "kl_behavior_current", "reward", N.SAMPLE_TEACHER_MASS):
+        if name in rows:
+            out.update(per_bucket(rows[name][kept], lags, name=name))
     out.update(per_bucket(np.ones(int(kept.sum())), lags, name="n", reduce="sum"))
     out.update(per_bucket(rows["seq_log_ratio"][kept], lags, reduce=_ess, name="ess"))
     return out

@@ -47,14 +47,19 @@ def summarize(
     teacher_accuracy: float | None,
     wall_s: float,
     store_stats: dict[str, Any],
+    status: str = N.STATUS_COMPLETED,
+    marks: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS`` and the ledger counts)."""
+    """The figures of ``summary.json`` (keys: ``names.SUMMARY_KEYS``), the sample ledger among them.
+
+    ``marks``: the driver's wall-clock marks (epoch s) for the start-up figures (``startup``)."""
     metrics = read_metrics(run_dir)
     samples = read_samples(run_dir)
     evals = [m[N.EVAL_ACCURACY] for m in metrics if N.EVAL_ACCURACY in m]
     kept = samples[samples["kept"]] if len(samples) else samples
     lags = kept["lag"].to_numpy() if len(kept) else np.zeros(0)
     return {
+        "status": status,
         "algo": algo,
         "estimator": estimator,
         "max_lag": max_lag,
@@ -71,13 +76,95 @@ def summarize(
         "reward_mean_first": _mean_reward(kept, first=True),
         "reward_mean_last": _mean_reward(kept, first=False),
         "admission_wait_s": store_stats.get("admission_wait_s"),
-        # samples that were in flight when the run was last checkpointed and had to be generated again
-        "in_flight_regenerated_on_resume": store_stats.get("budget/lost", 0),
+        **ledger(samples, store_stats),
         # blocks re-run after their generator died (they kept their admission: no budget leaked)
         "generation_retries": store_stats.get("budget/retries", 0),
         "engine_restarts": store_stats.get("engine_deaths", 0),
+        **startup(metrics, marks or {}),
         "run_dir": str(run_dir),
     }
+
+
+def ledger(samples: Any, store_stats: dict[str, Any]) -> dict[str, Any]:
+    """Where every sample drawn ended, and whether the books balance.
+
+    The PolicyStore counts draws (``books/*``: drawn, trained, dropped, regenerated after a fault,
+    in flight at the end); samples.parquet has one row per consumed sample with its
+    ``drop_reason``. Balanced means ``drawn = trained + dropped + regenerated + in_flight``, the
+    store's trained and dropped counts equal the rows', and no sample id has two rows (none
+    trained twice)."""
+    books = {k.split("/", 1)[1]: int(v) for k, v in store_stats.items() if k.startswith("books/")}
+    n = len(samples)
+    kept = int(samples["kept"].sum()) if n else 0
+    reasons = samples[N.DROP_REASON] if n and N.DROP_REASON in samples else None
+    nonfinite = int((reasons == N.DROPPED_NONFINITE).sum()) if reasons is not None else 0
+    unique = bool(samples["sample_id"].is_unique) if n else True
+    balanced = bool(
+        books
+        and books["drawn"] == books["trained"] + books["dropped"] + books["regenerated"] + books["in_flight"]
+        and books["trained"] == kept
+        and books["dropped"] == n - kept
+        and unique
+    )
+    return {
+        "samples_drawn": books.get("drawn"),
+        "samples_dropped_controllers": n - kept - nonfinite,
+        "samples_dropped_nonfinite": nonfinite,
+        "samples_regenerated": books.get("regenerated"),
+        "samples_in_flight_end": books.get("in_flight"),
+        "ledger_balanced": balanced,
+        "learner_restarts": books.get("learner_restarts", 0),
+        "driver_resumes": books.get("driver_resumes", 0),
+    }
+
+
+def failed_summary(run_dir: str | Path, error: BaseException, *, wall_s: float) -> dict[str, Any]:
+    """``summary.json`` of a run that raised: ``status: failed``, the one-line error, the steps done."""
+    try:
+        steps = max((m.get(N.STEP, 0) for m in read_metrics(run_dir)), default=0)
+    except FileNotFoundError:
+        steps = 0
+    text = " ".join(str(error).split()) or type(error).__name__
+    return {
+        "status": N.STATUS_FAILED,
+        "error": f"{type(error).__name__}: {text[:2000]}",
+        "steps": steps,
+        "wall_time_s": wall_s,
+        "run_dir": str(run_dir),
+    }
+
+
+def startup(metrics: list[dict[str, Any]], marks: dict[str, float]) -> dict[str, float | None]:
+    """The fixed cost before training: ``startup_s`` from the start of ``asyncrl.run`` to the first
+    optimizer step, ``first_step_s`` from the start of the command (its process), and where the
+    time went (``names.STARTUP_PARTS``: the driver's part (config, plan, prompts, Ray's start),
+    of which ``startup_ray_init_s``; the Train controller and worker processes; the learner's
+    model, optimizer, first eval and first publish; the stage actors' start and the first
+    rollouts; the first step). Uses the learner's marks logged with its first step in this
+    process (``names.STARTUP_MARKS``) and the driver's ``marks``: ``process_started_at``,
+    ``run_started_at``, ``ray_started_at``, ``ray_ready_at`` and ``fit_at`` (epoch seconds)."""
+    out: dict[str, float | None] = dict.fromkeys(("startup_s", "first_step_s", *N.STARTUP_PARTS))
+    learner = next((m for m in reversed(metrics) if N.FIRST_STEP_AT in m), None)
+    if learner is None or "run_started_at" not in marks:
+        return out
+    first_step = learner[N.FIRST_STEP_AT]
+    points = [
+        marks["run_started_at"],
+        marks.get("fit_at"),
+        learner.get(N.LEARNER_START_AT),
+        learner.get(N.LEARNER_READY_AT),
+        learner.get(N.FIRST_BATCH_AT),
+        first_step,
+    ]
+    parts = [p for p in N.STARTUP_PARTS if p != "startup_ray_init_s"]
+    for name, begin, end in zip(parts, points[:-1], points[1:]):
+        out[name] = end - begin if begin is not None and end is not None else None
+    if marks.get("ray_ready_at") is not None and marks.get("ray_started_at") is not None:
+        out["startup_ray_init_s"] = marks["ray_ready_at"] - marks["ray_started_at"]
+    process = marks.get("process_started_at")
+    out["startup_s"] = first_step - marks["run_started_at"]
+    out["first_step_s"] = first_step - process if process is not None else None
+    return out
 
 
 def _mean_reward(kept: Any, *, first: bool) -> float | None:

@@ -1,13 +1,14 @@
-"""Built-in workload: synthetic tasks, a character tokenizer, tiny model presets, pretraining.
+"""Built-in workload: synthetic tasks, built-in tokenizers, tiny model presets, pretraining.
 
 No model hub is reachable, so ``asyncrl pretrain`` trains a small teacher and a weaker
 student (``transformers`` Llama/GPT-2 built from a config) on a built-in task and caches
 them as ordinary HF checkpoints; any ``AutoModelForCausalLM`` + tokenizer on disk plugs in
 the same way (``load_pair``).
 
-Modules: ``tasks`` (Task protocol, TASKS, rewards, prompt encoding), ``prompts`` (prompt files:
-Parquet / JSONL / datasets folders, ``prompt`` or chat ``messages``, metadata for the reward),
-``tokenizer`` (char tokenizer), ``presets`` (PRESETS, build_model), ``pretrain``,
+Modules: ``tasks`` (Task protocol, TASKS, rewards, prompt encoding through the tokenizer's chat
+template, answer token budgets), ``prompts`` (prompt files: Parquet / JSONL / datasets folders,
+``prompt`` or chat ``messages``, metadata for the reward), ``tokenizer`` (char and Qwen BPE
+tokenizers, TOKENIZERS), ``presets`` (PRESETS, per-task overrides, build_model), ``pretrain``,
 ``evaluate`` (greedy exact match), ``checkpoints`` (save / check / load_pair).
 Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light. The
 ``pretrain`` function lives in (and is not re-exported over) the ``pretrain`` submodule:
@@ -27,13 +28,18 @@ _EXPORTS = {
     "reward_function": "tasks",
     "PromptSource": "prompts",
     "encode_prompts": "tasks",
+    "prompt_token_ids": "tasks",
+    "answer_token_budget": "tasks",
     "char_tokenizer": "tokenizer",
+    "qwen_tokenizer": "tokenizer",
+    "TOKENIZERS": "tokenizer",
     "PRESETS": "presets",
     "Preset": "presets",
     "ModelSpec": "presets",
     "build_model": "presets",
     "get_preset": "presets",
     "PretrainResult": "pretrain",
+    "PretrainError": "pretrain",
     "exact_match": "evaluate",
     "load_pair": "checkpoints",
     "CheckpointError": "checkpoints",

@@ -109,6 +109,104 @@ def load_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = "
     hint = hint or _pretrain_hint(teacher_dir, student_dir)
     teacher, t_tok = load_model(teacher_dir, role="teacher", hint=hint)
     student, s_tok = load_model(student_dir, role="student", hint=hint)
+    _check_same_vocab(teacher_dir, student_dir, t_tok, s_tok)
+    t_v = teacher.get_output_embeddings().weight.shape[0]
+    s_v = student.get_output_embeddings().weight.shape[0]
+    if t_v != s_v:
+        raise ValueError(
+            f"teacher and student output vocabularies differ ({t_v} vs {s_v} logits); "
+            f"resize them to the same vocabulary"
+        )
+    return teacher, student, s_tok
+
+
+def weight_problems(path: str | Path) -> list[str]:
+    """Truncated or malformed safetensors weight files in a checkpoint directory (headers only).
+
+    A safetensors file is an 8-byte header length, a JSON header with every tensor's byte range,
+    then the data: the file must be exactly as long as the last range ends."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError):
+            return [f"{index.name} is not a safetensors index (no weight_map)"]
+    elif (p / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        return []  # pytorch_model.bin: transformers reads it with weights_only=True
+    out = []
+    for name in names:
+        f = p / name
+        if not f.is_file():
+            out.append(f"{name} is missing")
+            continue
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if size < 8 or n > size - 8:
+                    raise ValueError("header length beyond the end of the file")
+                header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+            out.append(f"{name} is not a safetensors file ({err})")
+            continue
+        if size != 8 + n + end:
+            out.append(f"{name} is truncated ({size} bytes, its header describes {8 + n + end})")
+    return out
+
+
+def model_config(path: str | Path) -> dict[str, Any]:
+    """``config.json`` of a checkpoint directory (CheckpointError naming it when it is not JSON)."""
+    f = Path(path) / "config.json"
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{f} is not JSON ({err}); re-save the model with save_pretrained") from None
+
+
+def context_length(path: str | Path) -> int | None:
+    """The model's ``max_position_embeddings`` (prompt + completion tokens it can attend), if it says."""
+    value = model_config(path).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def check_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = "") -> Any:
+    """``load_pair``'s checks without loading any weights: both directories complete, weight files
+    intact, one vocabulary (tokenizers and output sizes). Returns the student's tokenizer.
+
+    What ``asyncrl validate`` and the driver run before any process starts."""
+    from transformers import AutoTokenizer
+
+    hint = hint or _pretrain_hint(teacher_dir, student_dir)
+    toks = {}
+    for role, d in (("teacher", teacher_dir), ("student", student_dir)):
+        check_complete(d, role=role, hint=hint)
+        bad = weight_problems(d)
+        if bad:
+            raise CheckpointError(f"{role} checkpoint {str(d)!r}: {bad[0]}; re-save it with save_pretrained")
+        try:
+            toks[role] = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        except Exception as err:  # tokenizer files that do not parse: name the directory
+            reason = " ".join(str(err).split())[:200]
+            raise CheckpointError(
+                f"{role} checkpoint {str(d)!r}: its tokenizer does not load ({reason}); "
+                f"re-save it with tokenizer.save_pretrained"
+            ) from None
+    if Path(teacher_dir).resolve() != Path(student_dir).resolve():
+        _check_same_vocab(teacher_dir, student_dir, toks["teacher"], toks["student"])
+        t_v, s_v = model_config(teacher_dir).get("vocab_size"), model_config(student_dir).get("vocab_size")
+        if t_v is not None and s_v is not None and t_v != s_v:
+            raise ValueError(
+                f"teacher and student output vocabularies differ ({t_v} vs {s_v} logits in config.json); "
+                f"resize them to the same vocabulary"
+            )
+    return toks["student"]
+
+
+def _check_same_vocab(teacher_dir: Any, student_dir: Any, t_tok: Any, s_tok: Any) -> None:
     tv, sv = t_tok.get_vocab(), s_tok.get_vocab()
     if tv != sv:
         only_t = sorted(set(tv) - set(sv))[:5]
@@ -120,14 +218,6 @@ def load_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = "
             f"different ids {moved}. Distillation needs one shared vocabulary: "
             f"pretrain both with the same tokenizer"
         )
-    t_v = teacher.get_output_embeddings().weight.shape[0]
-    s_v = student.get_output_embeddings().weight.shape[0]
-    if t_v != s_v:
-        raise ValueError(
-            f"teacher and student output vocabularies differ ({t_v} vs {s_v} logits); "
-            f"resize them to the same vocabulary"
-        )
-    return teacher, student, s_tok
 
 
 def _pretrain_hint(*dirs: str | Path) -> str:

@@ -33,9 +33,8 @@ def greedy_completions(
     try:
         for i in range(0, len(prompts), batch_size):
             chunk = list(prompts[i : i + batch_size])
-            width = max(len(x) for x in tokenizer(chunk, add_special_tokens=True)["input_ids"])
             ids, mask = encode_prompts(
-                tokenizer, chunk, width, max_positions=engine.max_positions, max_new_tokens=max_new_tokens
+                tokenizer, chunk, max_positions=engine.max_positions, max_new_tokens=max_new_tokens
             )
             res = engine.generate(ids, mask, params, seed=0)
             out.extend(tokenizer.batch_decode(res["completion_ids"].tolist(), skip_special_tokens=True))

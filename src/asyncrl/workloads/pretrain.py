@@ -1,24 +1,34 @@
 """Supervised pretraining of the built-in teacher and student, cached on disk.
 
-``pretrain(task, preset)`` trains a teacher to >= 95 % greedy exact match on the task's eval
-split and a deliberately weaker student (a smaller model stopped early, at roughly 20-50 %),
-so on-policy distillation has a real gap to close. Both are saved as plain HF checkpoints
-under ``cache_dir/<task>-<preset>-s<seed>/{teacher,student}`` and reused by later calls.
+``pretrain(task, preset)`` trains a teacher to its ``stop_at`` greedy exact match on the task's
+eval split (0.97 for the char presets) and a deliberately weaker student (a smaller model
+stopped early, inside a band such as 20-50 %), so on-policy distillation has a real gap to
+close. Both are saved as plain HF checkpoints under
+``cache_dir/<task>-<preset>-s<seed>/{teacher,student}`` and reused by later calls (each role
+by its own fingerprint: model spec, schedule, tokenizer).
 
-Objective (teacher forcing on ``<bos> prompt answer <eos>``, loss on answer + EOS only):
-    L(theta) = - mean over answer tokens y_t of log pi_theta(y_t | <bos>, prompt, y_<t)
+Objective (teacher forcing on ``prompt answer <eos>``, loss on answer + EOS only; the prompt
+tokens are ``<bos>`` + text for the char tokenizer, a ChatML user turn for Qwen's):
+    L(theta) = - mean over answer tokens y_t of log pi_theta(y_t | prompt, y_<t)
 Sequences are right-padded and run without an attention mask: under causal attention no
 valid token sees the trailing pads, and their positions are excluded from the loss.
 
+Prompts are encoded as every consumer encodes them (``tasks.prompt_token_ids``: through the
+tokenizer's chat template when it has one), and generation budgets are the task's longest
+answer in tokens + EOS (``tasks.answer_token_budget``).
+
 Stopping rules (evaluated every ``eval_every`` steps on the eval split, greedy): the teacher
-stops once accuracy >= ``stop_at``; the student stops at the first accuracy in
-``[stop_at, cap]``, else the evaluated snapshot closest to that band is kept. Deterministic
-given the seed (single-process CPU training).
+stops once accuracy >= ``stop_at``; the student stops at the first accuracy in ``[stop_at, cap]``.
+Exact match on long answers rises steeply (all tokens must be right), so it can jump over the
+band between two evaluations: the student's weights after every step since the last evaluation
+are kept, and on an overshoot they are bisected for the earliest step inside the band. A teacher below
+``stop_at`` or a student that never lands in the band raises ``PretrainError`` naming the preset
+knob to change; nothing outside the target is cached. Deterministic given the seed
+(single-process CPU training).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import platform
@@ -33,12 +43,29 @@ import torch
 from asyncrl.workloads.checkpoints import load_pair, missing_parts, read_meta, save_checkpoint
 from asyncrl.workloads.evaluate import exact_match
 from asyncrl.workloads.presets import Preset, Schedule, build_model, get_preset, num_parameters
-from asyncrl.workloads.tasks import Example, Task, get_task
-from asyncrl.workloads.tokenizer import char_tokenizer
+from asyncrl.workloads.tasks import Example, Task, answer_token_budget, get_task, prompt_token_ids
+from asyncrl.workloads.tokenizer import TOKENIZERS
 
-__all__ = ["PretrainResult", "exact_match", "load_pair", "pretrain", "run_dir_for", "train_supervised"]
+__all__ = [
+    "PretrainError",
+    "PretrainResult",
+    "exact_match",
+    "load_pair",
+    "pretrain",
+    "run_dir_for",
+    "train_supervised",
+    "workload_tokenizer",
+]
 
 TRAIN_POOL = 16384  # distinct training draws per run; batches are sampled from this pool
+#: above this vocabulary the LM head runs only at the supervised positions (answer + EOS): at
+#: V = 151,936 full [B, L, V] logits (and their gradient) would dominate time and memory. Below it
+#: the full head runs, which keeps the trained-and-cached small-vocabulary pairs bit-identical.
+SPARSE_HEAD_MIN_VOCAB = 4096
+
+
+class PretrainError(RuntimeError):
+    """A pretrained model missed its target; the message names the preset knob to change."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +87,41 @@ def run_dir_for(task: str, preset: str, seed: int, cache_dir: str | Path = ".asy
     return Path(cache_dir) / f"{task}-{preset}-s{seed}"
 
 
+def workload_tokenizer(
+    task: str,
+    preset: str,
+    *,
+    cache_dir: str | Path = ".asyncrl_cache",
+    seed: int = 0,
+    student_path: str | Path | None = None,
+) -> Any:
+    """The tokenizer a run uses: ``student_path``'s, else the cached pretrained student's, else
+    (not pretrained yet) the one the preset's models will be saved with. Loads nothing but
+    tokenizer files, so configs can be resolved before any model exists."""
+    from transformers import AutoTokenizer
+
+    if student_path is not None:
+        return _load_tokenizer(Path(student_path), "workload.student_path")
+    task_name = get_task(task).name
+    preset_obj = get_preset(preset)
+    student = run_dir_for(task_name, preset_obj.name, seed, cache_dir) / "student"
+    if not missing_parts(student):
+        return AutoTokenizer.from_pretrained(str(student), local_files_only=True)
+    return TOKENIZERS.get(preset_obj.tokenizer).build()
+
+
+def _load_tokenizer(path: Path, what: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"{what} {str(path)!r} has no loadable tokenizer ({' '.join(str(err).split())[:120]}); "
+            f"save one there with tokenizer.save_pretrained(dir), or set sampling.max_new_tokens to a number"
+        ) from err
+
+
 def pretrain(
     task: str = "addition",
     preset: str = "small",
@@ -70,18 +132,22 @@ def pretrain(
 ) -> PretrainResult:
     """Train (or reuse) the teacher/student pair for ``task`` with ``preset``; see the module doc."""
     t0 = time.perf_counter()
-    task_obj, preset_obj = get_task(task), get_preset(preset)
+    task_obj = get_task(task)
+    try:
+        preset_obj = get_preset(preset).for_task(task_obj.name)
+    except ValueError as err:
+        raise PretrainError(str(err)) from None
     root = run_dir_for(task_obj.name, preset_obj.name, seed, cache_dir)
     teacher_dir, student_dir = root / "teacher", root / "student"
     log = _printer(progress)
 
-    if (
-        not force
-        and not missing_parts(teacher_dir, require_meta=True)
-        and not missing_parts(student_dir, require_meta=True)
-        and _fingerprint_matches(read_meta(teacher_dir), preset_obj.teacher, preset_obj.teacher_schedule)
-        and _fingerprint_matches(read_meta(student_dir), preset_obj.student, preset_obj.student_schedule)
-    ):
+    cached = {
+        role: not force
+        and not missing_parts(root / role, require_meta=True)
+        and _fingerprint_matches(read_meta(root / role), preset_obj, role)
+        for role in ("teacher", "student")
+    }
+    if all(cached.values()):
         tm, sm = read_meta(teacher_dir), read_meta(student_dir)
         log(
             f"reusing {root} (teacher {tm['accuracy']:.3f}, student {sm['accuracy']:.3f}); "
@@ -101,43 +167,76 @@ def pretrain(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # deterministic, and faster than 2 threads for models this small
     try:
-        return _pretrain(task_obj, preset_obj, root, seed, log, t0, show=progress)
+        return _pretrain(task_obj, preset_obj, root, seed, log, t0, cached, show=progress)
     finally:
         torch.set_num_threads(threads)
 
 
 def _pretrain(
-    task_obj: Task, preset_obj: Preset, root: Path, seed: int, log: Any, t0: float, *, show: bool = True
+    task_obj: Task,
+    preset_obj: Preset,
+    root: Path,
+    seed: int,
+    log: Any,
+    t0: float,
+    cached: dict[str, bool],
+    *,
+    show: bool = True,
 ) -> PretrainResult:
+    """Train the roles not ``cached`` (a teacher that is, e.g. after a student missed its band and
+    its schedule was changed, is reused: each role has its own fingerprint); ``show`` draws a
+    progress row per trained role."""
     from asyncrl.telemetry.progress import SUPERVISED_FIELDS, Progress
 
     teacher_dir, student_dir = root / "teacher", root / "student"
-    tokenizer = char_tokenizer()
+    builtin = TOKENIZERS.get(preset_obj.tokenizer)
+    tokenizer = builtin.build()
+    ids = {
+        "pad_id": tokenizer.pad_token_id,
+        "bos_id": tokenizer.bos_token_id,
+        "eos_id": tokenizer.eos_token_id,
+    }
     train = task_obj.make_examples("train", TRAIN_POOL, seed)
     evals = task_obj.make_examples("eval", preset_obj.eval_size, seed)
+    where = f"`asyncrl pretrain --task {task_obj.name} --preset {preset_obj.name}`"
     results = {}
     for role, spec, schedule, model_seed in (
         ("teacher", preset_obj.teacher, preset_obj.teacher_schedule, seed),
         ("student", preset_obj.student, preset_obj.student_schedule, seed + 1),
     ):
-        model = build_model(spec, len(tokenizer), model_seed)
+        if cached[role]:
+            meta = read_meta(root / role)
+            results[role] = (float(meta["accuracy"]), int(meta.get("steps", 0)))
+            log(f"{role}: reusing {root / role} (accuracy {results[role][0]:.3f})")
+            continue
+        model = build_model(spec, builtin.vocab_size(tokenizer), model_seed, **ids)
         log(
             f"{role}: {spec.arch} {num_parameters(model) / 1e6:.2f}M params, up to {schedule.max_steps} steps"
         )
         ts = time.perf_counter()
-        with Progress(
-            schedule.max_steps, enabled=show, title=f"pretrain {role}", fields=SUPERVISED_FIELDS
-        ) as bar:
-            model, acc, steps = train_supervised(
-                model,
-                tokenizer,
-                task_obj,
-                train,
-                evals,
-                schedule,
-                seed=model_seed,
-                stop="reach" if role == "teacher" else "band",
-                progress=bar,
+        try:
+            with Progress(
+                schedule.max_steps, enabled=show, title=f"pretrain {role}", fields=SUPERVISED_FIELDS
+            ) as bar:
+                model, acc, steps = train_supervised(
+                    model,
+                    tokenizer,
+                    task_obj,
+                    train,
+                    evals,
+                    schedule,
+                    seed=model_seed,
+                    stop="reach" if role == "teacher" else "band",
+                    log=log,
+                    progress=bar,
+                )
+        except PretrainError as err:
+            raise PretrainError(f"{where}: {err} (asyncrl/workloads/presets.py, Preset.per_task)") from None
+        if role == "teacher" and acc < schedule.stop_at:
+            raise PretrainError(
+                f"{where}: the teacher reached exact match {acc:.3f} < teacher_schedule.stop_at="
+                f"{schedule.stop_at} after {steps} steps; raise teacher_schedule.max_steps or use a larger "
+                f"teacher (asyncrl/workloads/presets.py, Preset.per_task)"
             )
         meta = _meta(task_obj, preset_obj, role, spec, schedule, seed, acc, steps, time.perf_counter() - ts)
         save_checkpoint(model, tokenizer, root / role, meta)
@@ -149,14 +248,6 @@ def _pretrain(
     (root / "pretrain.json").write_text(
         json.dumps({r: {"accuracy": a, "steps": s} for r, (a, s) in results.items()}, indent=2) + "\n"
     )
-    if results["teacher"][0] < 0.95:
-        log(f"warning: teacher accuracy {results['teacher'][0]:.3f} < 0.95; consider a larger preset")
-    band = preset_obj.student_schedule
-    if not band.stop_at <= results["student"][0] <= band.cap:
-        log(
-            f"warning: student accuracy {results['student'][0]:.3f} is outside the target band "
-            f"[{band.stop_at}, {band.cap}]; the closest evaluated snapshot was kept"
-        )
     return PretrainResult(
         teacher_dir,
         student_dir,
@@ -178,22 +269,34 @@ def train_supervised(
     *,
     seed: int,
     stop: str = "reach",
+    log: Any = None,
     progress: Any = None,
 ) -> tuple[torch.nn.Module, float, int]:
     """Teacher-forced training with the stopping rule ``stop`` ("reach" or "band").
 
-    Returns ``(model, eval accuracy, steps)``; for "band" the model is the kept snapshot.
+    Returns ``(model, eval accuracy, steps)``; for "band" the model is the step found inside
+    ``[stop_at, cap]`` (``PretrainError`` when there is none, naming the knob to change).
     ``progress`` (an ``asyncrl.telemetry.progress.Progress``) gets the loss every step and the
-    eval accuracy at every eval.
+    eval accuracy at every eval; without one, ``log`` gets a line per eval. ``log`` also gets
+    the band bisection's evaluations.
     """
     from asyncrl.telemetry import names
+
+    log = log or (lambda msg: None)
 
     ids, labels = _encode_supervised(tokenizer, train)  # [N, L] each
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, schedule))
-    max_new = task.max_answer_chars + 1
-    best: tuple[float, float, int, dict[str, torch.Tensor] | None] = (math.inf, 0.0, 0, None)
+    max_new = answer_token_budget(task, tokenizer)
+    sparse_head = model.get_output_embeddings().weight.shape[0] >= SPARSE_HEAD_MIN_VOCAB
+
+    def accuracy() -> float:
+        return exact_match(model, tokenizer, task, evals, max_new)
+
+    # band: weights after every step since the last evaluation (bisected on an overshoot)
+    since_eval: list[tuple[int, dict[str, torch.Tensor]]] = []
+    below = (0, 0.0)  # last evaluated (step, accuracy) under the band
     order = torch.randperm(len(ids), generator=gen)
     cursor = 0
     model.train()
@@ -204,39 +307,99 @@ def train_supervised(
         idx = order[cursor : cursor + schedule.batch_size]
         cursor += schedule.batch_size
         x, y = ids[idx], labels[idx]
-        width = int((x != tokenizer.pad_token_id).sum(1).max())  # trim to the longest row
+        width = int((y != -100).nonzero()[:, 1].max()) + 1  # trim to the longest row (its EOS)
         x, y = x[:, :width], y[:, :width]
-        logits = model(input_ids=x, use_cache=False).logits[:, :-1]  # [b, L-1, V] scores tokens 1..L-1
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), y[:, 1:].reshape(-1), ignore_index=-100
-        )
+        loss = _supervised_loss(model, x, y, sparse_head)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if stop == "band":
+            since_eval.append((step, {k: v.detach().clone() for k, v in model.state_dict().items()}))
         if step % schedule.eval_every and step != schedule.max_steps:
             if progress is not None:
                 progress.update(step, {names.LOSS: loss.item()})
             continue
-        acc = exact_match(model, tokenizer, task, evals, max_new)
+        acc = accuracy()
         if progress is not None:
             progress.update(step, {names.LOSS: loss.item(), names.EVAL_ACCURACY: acc})
+        else:
+            log(f"  step {step:5d} loss {loss.item():.4f} eval exact-match {acc:.3f}")
         if stop == "reach":
             if acc >= schedule.stop_at:
                 break
             continue
-        distance = max(schedule.stop_at - acc, acc - schedule.cap, 0.0)
-        if distance == 0.0:
+        if schedule.stop_at <= acc <= schedule.cap:
             return model.eval(), acc, step
-        if distance <= best[0]:  # ties keep the later (more trained) snapshot
-            best = (distance, acc, step, copy.deepcopy(model.state_dict()))
-        if acc > schedule.cap:  # overshot the band: later snapshots only get stronger
-            break
-    if stop == "band" and best[3] is not None:
-        model.load_state_dict(best[3])
-        return model.eval(), best[1], best[2]
+        if acc > schedule.cap:  # overshot between two evaluations: bisect the steps in between
+            return _bisect_band(model, since_eval[:-1], accuracy, schedule, below, (step, acc), log)
+        below = (step, acc)
+        since_eval.clear()
+    if stop == "band":
+        raise PretrainError(
+            f"the student reached exact match {acc:.3f} after student_schedule.max_steps={step}, below "
+            f"the band [{schedule.stop_at}, {schedule.cap}]; raise student_schedule.max_steps or "
+            f"student_schedule.lr, or give the student more capacity"
+        )
     return model.eval(), acc, step
+
+
+def _supervised_loss(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sparse_head: bool
+) -> torch.Tensor:
+    """Mean cross-entropy of the labelled next tokens (``y[:, 1:]``, -100 = unlabelled).
+
+    ``sparse_head``: run the LM head only at the labelled positions (the decoder's last hidden
+    states gathered first): the same loss without the [b, L, V] logits of a large vocabulary.
+    """
+    target = y[:, 1:]  # position t scores token t + 1
+    if not sparse_head:
+        logits = model(input_ids=x, use_cache=False).logits[:, :-1]  # [b, L-1, V]
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100
+        )
+    hidden = model.get_decoder()(input_ids=x, use_cache=False).last_hidden_state[:, :-1]  # [b, L-1, h]
+    keep = target != -100
+    logits = model.get_output_embeddings()(hidden[keep])  # [n, V] at the n labelled positions
+    return torch.nn.functional.cross_entropy(logits.float(), target[keep])
+
+
+def _bisect_band(
+    model: torch.nn.Module,
+    snapshots: list[tuple[int, dict[str, torch.Tensor]]],
+    accuracy: Any,
+    schedule: Schedule,
+    below: tuple[int, float],
+    above: tuple[int, float],
+    log: Any,
+) -> tuple[torch.nn.Module, float, int]:
+    """The earliest step strictly between ``below`` and ``above`` with accuracy >= ``stop_at``, if it
+    is inside the band (so the student is as weak as the band allows: room for distillation).
+
+    Exact match is close to monotone over a few steps of a rising curve, so bisection finds the
+    crossing in log2(steps) evaluations.
+    """
+    lo, hi = 0, len(snapshots)  # the crossing is snapshots[lo:hi] or `above`
+    found: tuple[int, float, dict[str, torch.Tensor]] | None = None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        step, weights = snapshots[mid]
+        model.load_state_dict(weights)
+        acc = accuracy()
+        log(f"  step {step:5d} (bisecting an overshoot) eval exact-match {acc:.3f}")
+        if acc >= schedule.stop_at:
+            hi, above, found = mid, (step, acc), (step, acc, weights)
+        else:
+            lo, below = mid + 1, (step, acc)
+    if found is not None and found[1] <= schedule.cap:
+        model.load_state_dict(found[2])
+        return model.eval(), found[1], found[0]
+    raise PretrainError(
+        f"the student jumped over the band [{schedule.stop_at}, {schedule.cap}] in one step (exact match "
+        f"{below[1]:.3f} at step {below[0]}, {above[1]:.3f} at step {above[0]}); lower student_schedule.lr "
+        f"or widen the band (student_schedule.stop_at / cap)"
+    )
 
 
 def _lr_factor(step: int, schedule: Schedule) -> float:
@@ -249,8 +412,11 @@ def _lr_factor(step: int, schedule: Schedule) -> float:
 
 
 def _encode_supervised(tokenizer: Any, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``<bos> prompt answer <eos>`` right-padded ids [N, L] and labels (-100 outside answer+EOS)."""
-    prompts = tokenizer([e.prompt for e in examples], add_special_tokens=True)["input_ids"]
+    """``prompt answer <eos>`` right-padded ids [N, L] and labels (-100 outside answer+EOS).
+
+    The prompt is encoded as the engine will see it (``prompt_token_ids``: ``<bos>`` + text for
+    the char tokenizer, the chat template's user turn and assistant header for Qwen's)."""
+    prompts = prompt_token_ids(tokenizer, [e.prompt for e in examples])
     answers = tokenizer([e.answer for e in examples], add_special_tokens=False)["input_ids"]
     L = max(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
     ids = torch.full((len(examples), L), tokenizer.pad_token_id, dtype=torch.int64)
@@ -262,10 +428,16 @@ def _encode_supervised(tokenizer: Any, examples: list[Example]) -> tuple[torch.T
     return ids, labels
 
 
-def _fingerprint_matches(meta: dict[str, Any], spec: Any, schedule: Schedule) -> bool:
-    """A cached model is reused only if it was built from the preset as it is now (a changed preset
-    or schedule would otherwise silently serve stale checkpoints)."""
-    return meta.get("model") == asdict(spec) and meta.get("schedule") == asdict(schedule)
+def _fingerprint_matches(meta: dict[str, Any], preset: Preset, role: str) -> bool:
+    """A cached model is reused only if it was built from the preset as it is now (a changed preset,
+    schedule or tokenizer would otherwise silently serve stale checkpoints). Metas written before
+    presets named a tokenizer were all ``char``."""
+    spec, schedule = getattr(preset, role), getattr(preset, f"{role}_schedule")
+    return (
+        meta.get("model") == asdict(spec)
+        and meta.get("schedule") == asdict(schedule)
+        and meta.get("tokenizer", "char") == preset.tokenizer
+    )
 
 
 def _meta(
@@ -287,6 +459,7 @@ def _meta(
         "role": role,
         "task": task.name,
         "preset": preset.name,
+        "tokenizer": preset.tokenizer,
         "seed": seed,
         "accuracy": acc,
         "steps": steps,

@@ -25,7 +25,10 @@ Columns of a row:
 Two readers over the same per-file code: ``read_file`` (pyarrow, Ray-free: the schema probe,
 validation, tests) and ``read_dataset`` (Ray Data ``read_parquet`` / ``read_json`` / an Arrow
 IPC datasource: the pipeline's streamed reads, ``asyncrl.stream``). Errors name the file and
-the fix in one line.
+the fix in one line: a missing file, an unsupported extension, a file that is not UTF-8, a
+line that is not a JSON object, an unreadable Parquet file, no rows, no ``prompt`` column, a
+non-string or empty prompt (``PromptSource.head`` checks rows by number, as ``asyncrl
+validate`` does; ``load_prompts`` reads a small file whole as ``Example`` s).
 """
 
 from __future__ import annotations
@@ -74,6 +77,23 @@ class PromptSource:
         kind, files = _resolve(Path(path))
         columns = _first_columns(kind, files, str(path))
         return cls(str(Path(path).resolve()), kind, tuple(files), prompt_column(columns, str(path)))
+
+    def head(self, n: int) -> list[tuple[str, pa.Table, int]]:
+        """The first ``n`` rows in file order (not the stream's order), checked row by row
+        (``check_rows``), as ``(file, rows, number of its first row in that file)`` pieces."""
+        out: list[tuple[str, pa.Table, int]] = []
+        left = n
+        for f in self.files:
+            first = 0
+            for table in read_file(f, self.kind):
+                if left <= 0:
+                    return out
+                table = table.slice(0, left)
+                check_rows(table, self.prompt_column, f, first)
+                out.append((f, table, first))
+                first += table.num_rows
+                left -= table.num_rows
+        return out
 
 
 # --- resolving a path -------------------------------------------------------------------------------
@@ -156,7 +176,7 @@ def prompt_column(columns: Sequence[str], where: str) -> str:
         return has[0]
     if not has:
         raise ValueError(
-            f"prompts {where!r} have neither a 'prompt' nor a 'messages' column (columns: "
+            f"prompt file {where!r} has no 'prompt' column (nor a chat 'messages' column; columns: "
             f"{sorted(columns)}); rename the column holding the prompt text to 'prompt' (or a chat to "
             f"'messages')"
         )
@@ -169,13 +189,63 @@ def _first_columns(kind: Kind, files: Sequence[str], where: str) -> list[str]:
         for table in read_file(f, kind):
             if table.num_rows:
                 return table.column_names
-    raise ValueError(f"prompts {where!r} have no rows; add prompts (one per row)")
+    raise ValueError(f"prompt file {where!r} has no rows; add at least one row with a 'prompt'")
 
 
 # --- reading ------------------------------------------------------------------------------------------
+def _one_line(err: BaseException | str, limit: int = 160) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _json_error(path: str, err: Exception) -> ValueError:
-    msg = " ".join(str(err).split())
-    return ValueError(f"prompt file {path!r} is not valid JSON Lines ({msg}); write one JSON object per line")
+    """Why pyarrow could not read a JSON Lines file, found again line by line (only on this error
+    path): not UTF-8, a line that is not JSON or not an object, a prompt that is not text."""
+    try:
+        with open(path, "rb") as f:
+            prompt_types: list[tuple[int, Any]] = []
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as bad:
+                    return ValueError(
+                        f"prompt file {path!r} is not UTF-8 text (line {line_no}, byte {bad.start}); "
+                        f"re-encode it as UTF-8"
+                    )
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as bad:
+                    return ValueError(
+                        f"prompt file {path!r}: line {line_no} is not valid JSON ({bad.msg}); write one "
+                        f"object per line"
+                    )
+                if not isinstance(row, dict):
+                    return ValueError(
+                        f"prompt file {path!r}: line {line_no} is not a JSON object; write "
+                        f"{{'prompt': ...}} per line"
+                    )
+                prompt_types.append((line_no, row.get(PROMPT)))
+    except OSError as bad:
+        return ValueError(f"prompt file {path!r} cannot be read ({_one_line(bad)})")
+    row = next((i for i, (_, v) in enumerate(prompt_types) if v is not None and not isinstance(v, str)), None)
+    if row is not None:
+        return ValueError(
+            f"prompt file {path!r}: row {row} has a non-string 'prompt' ({_short(prompt_types[row][1])}); "
+            f"every prompt must be text"
+        )
+    return ValueError(
+        f"prompt file {path!r} is not valid JSON Lines ({_one_line(err)}); write one JSON object per line, "
+        f"each column of one type in every row"
+    )
+
+
+def _parquet_error(path: str, err: Exception) -> ValueError:
+    return ValueError(
+        f"prompt file {path!r} is not a readable Parquet file ({_one_line(err)}); write it with "
+        f"pandas.DataFrame.to_parquet, or use a .jsonl file"
+    )
 
 
 def read_file(path: str, kind: Kind, batch_rows: int = READ_BATCH_ROWS) -> Iterator[pa.Table]:
@@ -185,24 +255,36 @@ def read_file(path: str, kind: Kind, batch_rows: int = READ_BATCH_ROWS) -> Itera
 
         try:
             f = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as err:
-            raise ValueError(f"prompt file {path!r} is not a Parquet file ({err})") from None
-        for batch in f.iter_batches(batch_size=batch_rows):
-            yield pa.Table.from_batches([batch])
+        except (pa.ArrowException, OSError) as err:
+            raise _parquet_error(path, err) from None
+        batches = f.iter_batches(batch_size=batch_rows)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as err:
+                raise _parquet_error(path, err) from None
+            if batch is None:
+                return
+            yield pa.Table.from_batches([batch], schema=f.schema_arrow)
     elif kind == "jsonl":
         import pyarrow.json as pj
 
         try:
             reader = pj.open_json(path)
-        except pa.ArrowInvalid as err:
+        except (pa.ArrowException, UnicodeDecodeError) as err:
             if "Empty JSON stream" in str(err):  # an empty file (or only blank lines): no rows
                 return
             raise _json_error(path, err) from None
-        try:
-            for batch in reader:
-                yield pa.Table.from_batches([batch])
-        except pa.ArrowInvalid as err:
-            raise _json_error(path, err) from None
+        while True:
+            try:
+                batch = next(reader, None)
+                if batch is None:
+                    return
+                table = pa.Table.from_batches([batch])
+                table.validate(full=True)  # pyarrow does not check UTF-8 until a value is read
+            except (pa.ArrowException, UnicodeDecodeError) as err:
+                raise _json_error(path, err) from None
+            yield table
     else:
         yield from read_arrow_stream(pa.memory_map(path), path)
 
@@ -211,8 +293,11 @@ def read_arrow_stream(f: Any, path: str) -> Iterator[pa.Table]:
     """Record batches of an Arrow IPC stream (what ``datasets`` writes) as tables."""
     try:
         reader = pa.ipc.open_stream(f)
-    except pa.ArrowInvalid as err:
-        raise ValueError(f"prompt file {path!r} is not an Arrow IPC stream ({err})") from None
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(
+            f"prompt file {path!r} is not an Arrow IPC stream ({_one_line(err)}); save the dataset again "
+            f"with Dataset.save_to_disk"
+        ) from None
     for batch in reader:
         yield pa.Table.from_batches([batch])
 
@@ -250,21 +335,50 @@ def _arrow_datasource(files: list[str]) -> Any:
 
 
 # --- rows -> prompts --------------------------------------------------------------------------------
-def prompt_token_ids(table: pa.Table, column: str, tokenizer: Any, where: str) -> list[list[int]]:
-    """Token ids of each row's prompt: a ``prompt`` encoded with the tokenizer's special tokens
-    (as ``encode_prompts`` encodes the built-in tasks' prompts), a ``messages`` chat rendered
-    with the tokenizer's chat template and encoded as rendered (the template places BOS)."""
+def _prompt_problem(value: Any) -> str | None:
+    """Why a ``prompt`` value cannot be a prompt (None: it can)."""
+    if not isinstance(value, str):
+        return f"a non-string 'prompt' ({_short(value)}); every prompt must be text"
+    if not value.strip():
+        return "an empty 'prompt'; remove the row"
+    return None
+
+
+def check_rows(table: pa.Table, column: str, where: str, first: int = 0) -> None:
+    """Every row of ``table`` (rows ``first, first + 1, ...`` of the file ``where``) has a usable
+    prompt (or chat) and an integer ``prompt_id`` if it has one; the error names the row."""
     if column not in table.column_names:
-        raise ValueError(f"prompts {where!r}: a batch lacks the {column!r} column the source started with")
+        raise ValueError(
+            f"prompt file {where!r}: a batch lacks the {column!r} column the source started with; give "
+            f"every file the same columns"
+        )
+    for i, value in enumerate(table.column(column).to_pylist()):
+        problem = _prompt_problem(value) if column == PROMPT else _chat_problem(value)
+        if problem is not None:
+            raise ValueError(f"prompt file {where!r}: row {first + i} has {problem}")
+    prompt_ids(table, column, where)
+
+
+def prompt_token_ids(table: pa.Table, column: str, tokenizer: Any, where: str) -> list[list[int]]:
+    """Token ids of each row's prompt, as the models are prompted everywhere: a ``prompt``
+    through ``asyncrl.workloads.tasks.prompt_token_ids`` (one user turn of the tokenizer's chat
+    template if it has one, else the text with its special tokens: the char tokenizer's
+    ``<bos>``), a ``messages`` chat rendered with the tokenizer's chat template and encoded as
+    rendered (the template places BOS)."""
+    from asyncrl.workloads.tasks import prompt_token_ids as task_prompt_token_ids
+
+    if column not in table.column_names:
+        raise ValueError(
+            f"prompt file {where!r}: a batch lacks the {column!r} column the source started with; give "
+            f"every file the same columns"
+        )
     values = table.column(column).to_pylist()
     if column == PROMPT:
         for v in values:
-            if not isinstance(v, str) or not v:
-                raise ValueError(
-                    f"prompts {where!r}: a row has {'an empty' if v == '' else 'a non-string'} 'prompt' "
-                    f"({_short(v)}); every prompt must be a non-empty string"
-                )
-        return tokenizer(values, add_special_tokens=True)["input_ids"]
+            problem = _prompt_problem(v)
+            if problem is not None:
+                raise ValueError(f"prompt file {where!r}: a row has {problem}")
+        return task_prompt_token_ids(tokenizer, values)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"prompts {where!r} have a 'messages' column but the model's tokenizer has no chat template; "
@@ -274,8 +388,8 @@ def prompt_token_ids(table: pa.Table, column: str, tokenizer: Any, where: str) -
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
-def render_chat(tokenizer: Any, chat: Any, where: str) -> str:
-    """One ``messages`` value through the chat template, with the assistant turn opened."""
+def _chat_problem(chat: Any) -> str | None:
+    """Why a ``messages`` value cannot be a prompt (None: it can)."""
     ok = (
         isinstance(chat, list)
         and chat
@@ -285,15 +399,23 @@ def render_chat(tokenizer: Any, chat: Any, where: str) -> str:
         )
     )
     if not ok:
-        raise ValueError(
-            f"prompts {where!r}: a 'messages' value is not a non-empty list of "
-            f"{{'role': str, 'content': str}} ({_short(chat)})"
+        return (
+            f"a 'messages' value that is not a non-empty list of {{'role': str, 'content': str}} "
+            f"({_short(chat)})"
         )
     if chat[-1]["role"] == "assistant":
-        raise ValueError(
-            f"prompts {where!r}: a chat ends with an assistant turn ({_short(chat[-1]['content'])}); the "
-            f"prompt must end with the turn to answer: move the reference to the 'answer' column"
+        return (
+            f"a chat that ends with an assistant turn ({_short(chat[-1]['content'])}); the prompt must end "
+            f"with the turn to answer: move the reference to the 'answer' column"
         )
+    return None
+
+
+def render_chat(tokenizer: Any, chat: Any, where: str) -> str:
+    """One ``messages`` value through the chat template, with the assistant turn opened."""
+    problem = _chat_problem(chat)
+    if problem is not None:
+        raise ValueError(f"prompt file {where!r}: a row has {problem}")
     return tokenizer.apply_chat_template(
         [{"role": m["role"], "content": m["content"]} for m in chat],
         tokenize=False,
@@ -308,14 +430,15 @@ def answers(table: pa.Table) -> np.ndarray:
     return np.asarray(["" if a is None else str(a) for a in table.column(ANSWER).to_pylist()], dtype=object)
 
 
-def prompt_ids(table: pa.Table, column: str) -> np.ndarray:
+def prompt_ids(table: pa.Table, column: str, where: str | None = None) -> np.ndarray:
     """The ``prompt_id`` column, else a 63-bit hash of each prompt's text (stable over epochs)."""
     if PROMPT_ID in table.column_names:
         values = table.column(PROMPT_ID).to_pylist()
         if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
             bad = next(v for v in values if not isinstance(v, int) or isinstance(v, bool))
             raise ValueError(
-                f"a 'prompt_id' value is not an integer ({bad!r}); use integer ids or drop the column"
+                f"{f'prompt file {where!r}: ' if where else ''}a 'prompt_id' value is not an integer "
+                f"({_short(bad)}); use integer ids or drop the column"
             )
         return np.asarray(values, dtype=np.int64)
     values = table.column(column).to_pylist()
@@ -352,3 +475,23 @@ def _json_value(value: Any) -> Any:
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[Any]:
+    """A prompt source's rows (the first ``limit``, else all) as ``tasks.Example`` s, in file
+    order, checked row by row: for a small file in memory (tests, notebooks). Runs never do
+    this: they stream the source (``asyncrl.stream``). Needs a ``prompt`` column."""
+    from asyncrl.workloads.tasks import Example
+
+    source = PromptSource.open(path)
+    if source.prompt_column != PROMPT:
+        raise ValueError(
+            f"prompt file {str(path)!r} has a chat 'messages' column; load_prompts reads 'prompt' text "
+            f"(chats are rendered by the run's tokenizer: asyncrl.stream)"
+        )
+    out = []
+    for file, table, _ in source.head(limit if limit is not None else np.iinfo(np.int64).max):
+        texts = table.column(PROMPT).to_pylist()
+        for text, answer, pid in zip(texts, answers(table), prompt_ids(table, PROMPT, file)):
+            out.append(Example(prompt=text, answer=str(answer), prompt_id=int(pid)))
+    return out

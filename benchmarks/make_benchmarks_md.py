@@ -1,0 +1,220 @@
+"""Regenerate BENCHMARKS.md: run every benchmark with its default arguments and write what each printed.
+
+    python benchmarks/make_benchmarks_md.py --cache-dir /work/cache                   # the real figures
+    python benchmarks/make_benchmarks_md.py --lock /tmp/asyncrl-heavy.lock ...        # shared machine
+    python benchmarks/make_benchmarks_md.py --quick --out /tmp/BENCHMARKS.md          # smoke settings
+    python benchmarks/make_benchmarks_md.py --only vs_trl_short vs_trl_long           # some sections
+
+Each section gives the machine, the date, the exact command, how long it took and the table the
+command produced: the Markdown ``vs_trl.py`` writes, or the benchmark's printed table verbatim.
+Nothing in the file is typed by hand. A benchmark that fails gets its error in its section and
+the script exits 1. ``benchmarks/scaling.py`` (the scale-out work) is run when it exists.
+With ``--lock`` every benchmark runs holding ``flock(LOCK)``, released between benchmarks; the
+time a section reports starts once the lock is held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One BENCHMARKS.md section: a script, its arguments (default run and ``--quick`` smoke)."""
+
+    key: str
+    title: str
+    script: str
+    args: list[str] = field(default_factory=list)
+    quick: list[str] = field(default_factory=list)
+    uses_cache: bool = False
+    markdown_out: bool = False  # the script writes a Markdown table under --out (vs_trl)
+    about: str = ""
+
+
+def vs_trl(regime: str, what: str) -> Bench:
+    return Bench(
+        f"vs_trl_{regime}",
+        f"asyncrl vs TRL DistillationTrainer, {regime} regime ({what})",
+        "vs_trl.py",
+        ["--regime", regime],
+        ["--regime", regime, "--steps", "10", "--rounds", "1", "--stage-repeats", "3"],
+        uses_cache=True,
+        markdown_out=True,
+    )
+
+
+BENCHES = [
+    vs_trl("short", "addition, 6 new tokens"),
+    vs_trl("long", "running_sum, 33 new tokens"),
+    Bench(
+        "async_vs_sync",
+        "asyncrl plain loop vs max_lag=0 vs max_lag=2",
+        "async_vs_sync.py",
+        [],
+        ["--preset", "tiny", "--steps", "12"],
+        uses_cache=True,
+    ),
+    Bench(
+        "scaling",
+        "Scale-out (generators, scorers, learner workers)",
+        "scaling.py",
+        about="added by the scale-out work",
+    ),
+    Bench(
+        "estimators",
+        "Estimator time and peak memory against dense KL",
+        "estimators.py",
+        [],
+        ["--quick"],
+    ),
+    Bench(
+        "engine_throughput",
+        "HFEngine vs model.generate (tokens/s)",
+        "engine_throughput.py",
+        [],
+        ["--preset", "tiny", "--repeats", "3"],
+    ),
+]
+
+
+def machine() -> str:
+    """CPU model, cores, memory, OS and the versions that matter, in one line."""
+    import importlib.metadata as md
+
+    cpu, mem = platform.processor() or "unknown CPU", ""
+    if Path("/proc/cpuinfo").exists():
+        models = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")]
+        cpu = models[0].split(":", 1)[1].strip() if models else cpu
+    if Path("/proc/meminfo").exists():
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    versions = []
+    for pkg in ("torch", "ray", "transformers", "trl"):
+        try:
+            versions.append(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            versions.append(f"{pkg} not installed")
+    return (
+        f"{cpu}, {os.cpu_count()} cores{mem}; {platform.system()} {platform.release()}; "
+        f"Python {platform.python_version()}; {', '.join(versions)}"
+    )
+
+
+@contextmanager
+def held(lock: str | None) -> Iterator[None]:
+    """Hold ``flock(lock)`` (the shared machine's convention) for the duration, if a lock is given."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_bench(b: Bench, args: argparse.Namespace, work: Path) -> tuple[str, bool]:
+    """Run one benchmark; returns its Markdown section and whether it succeeded."""
+    head = f"## {b.title}\n\n"
+    if not (HERE / b.script).exists():
+        return head + f"`benchmarks/{b.script}` does not exist yet ({b.about}).\n", True
+    argv = [*(b.quick if args.quick else b.args), *(["--cache-dir", args.cache_dir] if b.uses_cache else [])]
+    shown = shlex.join(["python", f"benchmarks/{b.script}", *argv])
+    out_dir = work / b.key
+    cmd = [sys.executable, str(HERE / b.script), *argv, *(["--out", str(out_dir)] if b.markdown_out else [])]
+    paths = (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    print(f"[benchmarks] {b.key}: {shown}", flush=True)
+    log = work / f"{b.key}.log"
+    with held(args.lock), open(log, "w") as err:
+        date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env, check=False
+        )
+        took = time.perf_counter() - t0
+    meta = f"Date: {date}. Command: `{shown}`. Took {took:.0f} s.\n\n"
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout.splitlines() + log.read_text().splitlines())[-15:])
+        return head + meta + f"**FAILED** (exit {proc.returncode}):\n\n```\n{tail}\n```\n", False
+    if b.markdown_out:
+        body = (out_dir / "vs_trl.md").read_text()
+    else:
+        body = "```\n" + proc.stdout.strip() + "\n```\n"
+    return head + meta + body, True
+
+
+def kept_sections(path: Path, replaced: set[str]) -> dict[str, str]:
+    """Sections of an existing BENCHMARKS.md by title, except those about to be regenerated."""
+    if not path.exists():
+        return {}
+    chunks = path.read_text().split("\n## ")[1:]
+    out = {}
+    for chunk in chunks:
+        title = chunk.split("\n", 1)[0].strip()
+        if title not in replaced:
+            out[title] = "## " + chunk.rstrip() + "\n"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache-dir", default=".asyncrl_cache", help="where the pretrained pairs are")
+    ap.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    ap.add_argument("--quick", action="store_true", help="smoke settings (few steps, one round)")
+    ap.add_argument("--lock", default=None, help="run each benchmark under `flock LOCK`")
+    ap.add_argument("--only", nargs="*", default=None, choices=[b.key for b in BENCHES])
+    args = ap.parse_args(argv)
+    args.cache_dir = str(Path(args.cache_dir).resolve())
+    benches = [b for b in BENCHES if args.only is None or b.key in args.only]
+    work = Path(tempfile.mkdtemp(prefix="asyncrl-benchmarks-"))
+    mode = (
+        "**smoke settings (`--quick`)**: few steps, one round; not the figures to quote"
+        if args.quick
+        else "each benchmark's default arguments"
+    )
+    command = shlex.join(
+        ["python", "benchmarks/make_benchmarks_md.py", *(sys.argv[1:] if argv is None else argv)]
+    )
+    parts = [
+        "# Benchmarks\n",
+        f"Generated by `{command}` ({mode}); do not edit by hand. Machine: {machine()}. "
+        "Every figure below is what the command printed; timings on a shared machine are noisy.\n",
+    ]
+    old = kept_sections(Path(args.out), {b.title for b in benches}) if args.only else {}
+    ok = True
+    todo = [b for b in BENCHES if b in benches or b.title in old]
+    for i, b in enumerate(todo):
+        if b in benches:
+            section, good = run_bench(b, args, work)
+            ok &= good
+        else:
+            section = old[b.title]
+        parts.append(section)
+        left = len(todo) - i - 1  # written after every section: a long regeneration keeps its progress
+        more = [f"_Regeneration in progress: {left} more section(s) to come._\n"] if left else []
+        Path(args.out).write_text("\n".join(parts + more))
+    print(f"[benchmarks] wrote {args.out}; logs in {work}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

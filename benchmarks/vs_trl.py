@@ -1,0 +1,572 @@
+"""asyncrl against TRL's on-policy ``DistillationTrainer``, side by side on one machine.
+
+    python benchmarks/vs_trl.py --cache-dir /work/cache                  # short regime, 60 steps, 3 rounds
+    python benchmarks/vs_trl.py --regime long --cache-dir /work/cache    # running_sum, 33 new tokens
+    python benchmarks/vs_trl.py --regime long --task <task> --max-new-tokens 129
+    python benchmarks/vs_trl.py --steps 10 --rounds 1                    # smoke
+
+Regimes: ``short`` = addition, 6 new tokens (3 digits + EOS, with slack); ``long`` = running_sum,
+33 new tokens (32 digits + EOS). ``--task`` / ``--max-new-tokens`` / ``--preset`` override them.
+
+Systems, all on the workload's pretrained pair from the asyncrl cache (``<cache>/<task>-<preset>-s0``,
+loaded with ``local_files_only``), the same prompt stream (the pipeline's seeded blocks, in order),
+batch B, T new tokens, temperature 1 from the untruncated softmax, AdamW lr 3e-4, weight decay 0,
+linear warmup over 10 steps then constant (lr * min(1, (k + 1) / 10) at step k: asyncrl's
+``scheduled_lr``, also given to TRL), grad-norm clip 1, seed 0, ``--steps`` optimizer steps:
+
+  trl          TRL DistillationTrainer, torch's default threads (2 on this 2-core machine; the table
+               shows the count measured)
+  trl_1t       the same with torch.set_num_threads(1)
+  plain        asyncrl's parts in one process, one thread, dense forward KL
+               (the plain loop of benchmarks/async_vs_sync.py, imported)
+  lag0_dense   asyncrl.run(...), pipeline.max_lag=0, dense forward KL
+  lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
+  lag2_top16   asyncrl.run(...), pipeline.max_lag=2, the demo default (top-16 forward KL, tail bucket)
+
+What TRL is configured to do, checked in trl 1.16.0's source (site-packages/trl):
+  * on-policy, every step: with gradient_accumulation_steps=1, ``_prepare_inputs``
+    (trainer/distillation_trainer.py L1775-1778) calls ``_generate_and_score_completions`` for every
+    batch, which samples completions from the student being trained (``_generate_single_turn``,
+    ``unwrapped_model.generate`` L1083 with ``GenerationConfig(do_sample=True, temperature, top_p,
+    top_k, ...)`` L739-757; we pass top_p=1, top_k=0: the untruncated softmax) and masks everything
+    after the first EOS (L1088-1095, EOS kept).
+  * teacher scoring: ``_compute_loss`` runs the teacher backbone on prompt + completion under
+    ``no_grad`` (L1850-1861) and projects both models' hidden states through their LM heads.
+  * forward KL on the full vocabulary: ``beta=0.0`` ("When 0.0, the loss is the forward KL",
+    trainer/distillation_config.py L134-136) goes to ``_chunked_divergence_loss`` (L1904) and
+    ``ChunkedDivergenceFunction`` (kernels/chunked_divergence.py): every vocabulary chunk is folded
+    in (L433, VOCAB_CHUNK_SIZE=32768 > |V|), and for beta == 0 the divergence is
+    ``t_weighted_gap / t_sum - t_log_z + s_log_z`` = sum_y p_t (log p_t - log p_s) (L274, L482-483);
+    its gradient is ``p_s - p_t`` (L341). Reduced as sum / number of valid completion tokens
+    (L212 with ``num_items_in_batch``, L1597): the token mean asyncrl uses too.
+  * activation_checkpointing=False (TRL's default is True, which re-runs forwards: off, as asyncrl has
+    none, to compare equal work); bf16=False; TRL's default optimizer (``adamw_torch_fused``); only
+    the learning-rate schedule is replaced (``create_scheduler``) by asyncrl's warmup law, because
+    HF's ``constant_with_warmup`` starts at lr 0 (k / 10), which would waste TRL's first step.
+  ``benchmarks/trl_parity.py`` checks that TRL's loss and asyncrl's dense forward KL agree on the
+  first batch of this run (same weights, teacher and completions): the "parity" line below.
+
+Measurement. Every system runs in a fresh process, launched by this script; the clock starts
+just before the launch (``time.time()``), so start-up counts Python, imports, model loading, Ray.
+``t_k`` = wall-clock time when optimizer step k finished (a TRL callback at ``on_step_end``; the
+plain loop's ``on_step``; for the pipeline, the learner's ``consumed_at`` (wall clock, in
+samples.parquet) of step k's batch plus that step's ``time/compute_s + time/publish_s`` from
+metrics.jsonl, i.e. when its weights were published).
+  steady samples/s = samples trained in steps skip+1..N / (t_N - t_skip)   (--skip, default 2)
+  wall             = t_N - launch          (N steps including start-up; eval and teardown excluded)
+  first step       = t_1 - launch
+  exact match      = ``asyncrl.workloads.evaluate.exact_match`` (greedy) of the final student on
+                     the task's first ``--eval-size`` eval prompts, identical for every system.
+For pipeline systems the JSON and the notes under the table also split a step as the run's own
+telemetry records it (``step_breakdown``: learner wait / compute / publish, generation, scoring,
+hand-offs). Rounds are interleaved (every system once per round, the order rotated each round);
+the table shows medians over rounds. The core-limit rows (``--cores``, default: this machine's, 2 here) come
+from ``stage_times.py`` (stages alone in one process, one thread each) for the two caches the
+systems use: the throughput perfect overlap could reach. TRL's own ``train_samples_per_second``
+and the pipeline summary's ``samples_per_s`` are kept in the JSON as cross-checks.
+Every number printed is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from asyncrl.raysetup import RAY_ENV
+
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE.parent / "examples" / "configs" / "opd_async.yaml"
+ENV = {**RAY_ENV, "TRANSFORMERS_VERBOSITY": "error"}
+
+REGIMES = {
+    "short": {"task": "addition", "max_new_tokens": 6},
+    "long": {"task": "running_sum", "max_new_tokens": 33},
+}
+DENSE = ["estimator.options.dense=true"]
+#: name -> (label, kind, run-config overrides, torch threads or None for torch's default)
+SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
+    "trl": ("TRL DistillationTrainer, torch's default threads", "trl", DENSE, None),
+    "trl_1t": ("TRL DistillationTrainer, 1 thread", "trl", DENSE, 1),
+    "plain": ("asyncrl plain single-process loop, dense forward KL", "plain", DENSE, 1),
+    "lag0_dense": ("asyncrl `max_lag=0`, dense forward KL", "pipeline", ["pipeline.max_lag=0", *DENSE], 1),
+    "lag2_dense": ("asyncrl `max_lag=2`, dense forward KL", "pipeline", ["pipeline.max_lag=2", *DENSE], 1),
+    "lag2_top16": (
+        "asyncrl `max_lag=2`, top-16 forward KL (demo default)",
+        "pipeline",
+        ["pipeline.max_lag=2"],
+        1,
+    ),
+}
+REFERENCE = "trl"
+
+
+# --- shared by every child --------------------------------------------------------------------------
+def run_config(spec: dict[str, Any], more: list[str]) -> Any:
+    """The demo config with the benchmark's settings and a system's overrides."""
+    from asyncrl.config import load_config
+
+    return load_config(
+        CONFIG,
+        [
+            f"workload.task={spec['task']}",
+            f"workload.preset={spec['preset']}",
+            f"workload.cache_dir={spec['cache_dir']}",
+            f"seed={spec['seed']}",
+            f"train.steps={spec['steps']}",
+            f"train.batch_size={spec['batch']}",
+            f"sampling.max_new_tokens={spec['max_new_tokens']}",
+            "sampling.temperature=1.0",
+            "train.eval_every=0",
+            "telemetry.progress=false",
+            "telemetry.tensorboard=false",
+            f"run_dir={spec['run_dir']}",
+            *more,
+        ],
+    )
+
+
+def final_exact_match(model: Any, tokenizer: Any, spec: dict[str, Any]) -> float:
+    from asyncrl.workloads import exact_match, get_task
+
+    task = get_task(spec["task"])
+    examples = task.make_examples("eval", spec["eval_size"], 0)
+    return exact_match(model.eval(), tokenizer, task, examples, spec["max_new_tokens"])
+
+
+def pair_dirs(spec: dict[str, Any]) -> tuple[Path, Path]:
+    """(teacher, student) checkpoint directories; a clear error naming the command that creates them."""
+    from asyncrl.workloads.checkpoints import missing_parts
+    from asyncrl.workloads.pretrain import run_dir_for
+
+    root = run_dir_for(spec["task"], spec["preset"], 0, spec["cache_dir"])
+    for role in ("teacher", "student"):
+        missing = missing_parts(root / role)
+        if missing:
+            raise SystemExit(
+                f"vs_trl: the pretrained {role} {root / role} is missing ({', '.join(missing)}); create the "
+                f"pair with: asyncrl pretrain --task {spec['task']} --preset {spec['preset']} "
+                f"--cache-dir {spec['cache_dir']}"
+            )
+    return root / "teacher", root / "student"
+
+
+def prompt_stream(cfg: Any, tokenizer: Any) -> list[str]:
+    """The prompts of the first ``train.steps`` batches, in the order asyncrl trains on them."""
+    from asyncrl import records as R
+    from asyncrl.plan import load_examples, prompt_blocks
+
+    train, _ = load_examples(cfg)
+    width = max(len(tokenizer(e.prompt)["input_ids"]) for e in train[:2048])
+    by_id = {e.prompt_id: e.prompt for e in train}
+    blocks = prompt_blocks(cfg, train, tokenizer, width)[: cfg.train.steps]
+    return [by_id[int(i)] for b in blocks for i in b[R.PROMPT_ID]]
+
+
+# --- children ---------------------------------------------------------------------------------------
+def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -> dict[str, Any]:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    from datasets import Dataset
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DistillationConfig, DistillationTrainer
+
+    from asyncrl.backends.base import scheduled_lr
+
+    cfg = run_config(spec, overrides)
+    teacher_dir, student_dir = pair_dirs(spec)
+    tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
+    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32, local_files_only=True)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32, local_files_only=True)
+    tc = cfg.train
+    step_ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # after the optimizer step
+            step_ends.append(time.time())
+
+    class Trainer(DistillationTrainer):
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:  # asyncrl's law, as a multiplier of the peak lr
+                self.lr_scheduler = LambdaLR(
+                    optimizer or self.optimizer, lambda k: scheduled_lr(tc, k) / tc.lr
+                )
+            return self.lr_scheduler
+
+    args = DistillationConfig(
+        output_dir=spec["run_dir"],
+        max_steps=tc.steps,
+        per_device_train_batch_size=tc.batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=tc.lr,
+        weight_decay=tc.weight_decay,
+        max_grad_norm=tc.grad_clip,
+        beta=0.0,
+        temperature=cfg.sampling.temperature,
+        top_p=1.0,
+        top_k=0,
+        max_completion_length=cfg.sampling.max_new_tokens,
+        shuffle_dataset=False,
+        activation_checkpointing=False,  # alias gradient_checkpointing, which TRL defaults to True
+        bf16=False,
+        use_cpu=True,
+        seed=cfg.seed,
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    prompts = prompt_stream(cfg, tok)
+    trainer = Trainer(
+        model=student,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok,
+        callbacks=[StepClock()],
+    )
+    own = trainer.train().metrics
+    return {
+        "step_ends": step_ends,
+        "kept": [tc.batch_size] * len(step_ends),
+        "exact_match": final_exact_match(trainer.model, tok, spec),
+        "threads": torch.get_num_threads(),
+        "checkpointing": bool(trainer.args.activation_checkpointing),
+        "trl_train_samples_per_s": own.get("train_samples_per_second"),  # TRL's own figure, incl. step 1
+    }
+
+
+def child_plain(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    from async_vs_sync import plain_loop
+    from transformers import AutoTokenizer
+
+    cfg = run_config(spec, overrides)
+    _, student_dir = pair_dirs(spec)
+    step_ends: list[float] = []
+    trained: dict[str, Any] = {}
+
+    def on_step(step: int, student: Any) -> None:
+        step_ends.append(time.time())
+        trained["model"] = student
+
+    plain_loop(cfg, warmup=min(2, cfg.train.steps - 1), on_step=on_step)
+    tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
+    return {
+        "step_ends": step_ends,
+        "kept": [cfg.train.batch_size] * len(step_ends),
+        "exact_match": final_exact_match(trained["model"], tok, spec),
+    }
+
+
+def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    import pandas as pd
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import asyncrl
+
+    cfg = run_config(spec, overrides)
+    _, student_dir = pair_dirs(spec)
+    res = asyncrl.run(cfg)
+    run_dir = res.run_dir
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    steps = sorted((r for r in rows if r.get("step", 0) >= 1), key=lambda r: r["step"])
+    samples = pd.read_parquet(run_dir / "samples.parquet")
+    for name in ("time/compute_s", "time/publish_s"):
+        if name not in steps[0]:
+            raise SystemExit(f"vs_trl: metrics.jsonl lacks {name!r}; the step clock needs it")
+    if "consumed_at" not in samples.columns:
+        raise SystemExit("vs_trl: samples.parquet lacks 'consumed_at'; the step clock needs it")
+    consumed = samples.groupby("step")["consumed_at"].max()
+    # the learner's step k ends compute_s + publish_s after it took its batch (wall clock consumed_at)
+    step_ends = [float(consumed[r["step"]]) + r["time/compute_s"] + r["time/publish_s"] for r in steps]
+    models = sorted({p.parent for p in (run_dir / "checkpoints").glob("**/model.safetensors")})
+    if len(models) != 1:
+        raise SystemExit(
+            f"vs_trl: expected one final checkpoint under {run_dir / 'checkpoints'}, found {models}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
+    s = res.summary
+    return {
+        "breakdown": step_breakdown(steps, samples, spec["skip"]),
+        "step_ends": step_ends,
+        "kept": [r.get("samples/kept", cfg.train.batch_size) for r in steps],
+        "exact_match": final_exact_match(model, tok, spec),
+        "summary_samples_per_s": s.get("samples_per_s"),
+        "summary_wall_s": s.get("wall_time_s"),
+        "lag_max": s.get("lag_max"),
+        "samples_dropped": s.get("samples_dropped"),
+    }
+
+
+def step_breakdown(steps: list[dict[str, Any]], samples: Any, skip: int) -> dict[str, float]:
+    """Where a pipeline step goes, median ms over steps after ``skip``, from the run's own telemetry.
+
+    Learner: ``step = data_wait + compute + publish``. Per batch: generation and scoring time in
+    their actors, the generator's wait for admission, and the two hand-offs (generator -> scorer:
+    ``score_done - gen_done - score_time``; scorer -> learner: ``consumed - score_done``).
+    """
+    rows = [r for r in steps if r["step"] > skip]
+    out = {
+        key: 1e3 * statistics.median(r[f"time/{key}_s"] for r in rows)
+        for key in ("step", "data_wait", "compute", "publish")
+    }
+    b = samples[samples["step"] > skip].groupby("step").first()
+    cols = {"gen_time_s", "gen_wait_s", "score_time_s", "gen_done_at", "score_done_at", "consumed_at"}
+    if cols <= set(b.columns):
+        out.update(
+            generate=1e3 * b["gen_time_s"].median(),
+            admission_wait=1e3 * b["gen_wait_s"].median(),
+            score=1e3 * b["score_time_s"].median(),
+            handoff_gen_to_score=1e3 * (b["score_done_at"] - b["gen_done_at"] - b["score_time_s"]).median(),
+            handoff_score_to_learner=1e3 * (b["consumed_at"] - b["score_done_at"]).median(),
+        )
+    return out
+
+
+def child_stages(spec: dict[str, Any]) -> dict[str, Any]:
+    """Stage times and two-core limits per cache, the untrained student's exact match, and the parity."""
+    import torch
+    from stage_times import Stages, measure_stage_times, throughput_bound
+    from trl_parity import compare
+
+    out: dict[str, Any] = {"limits": {}}
+    for key, more in (("dense", DENSE), ("top16", [])):
+        cfg = run_config(spec, ["pipeline.torch_threads=1", *more])
+        times = measure_stage_times(cfg, repeats=spec["stage_repeats"], warmup=2)
+        out["limits"][key] = {
+            "stage_s": times,
+            **throughput_bound(times, cfg.train.batch_size, spec["cores"]),
+        }
+    stages = Stages(run_config(spec, ["pipeline.torch_threads=1", *DENSE]))
+    out["initial_exact_match"] = final_exact_match(stages.student, stages.tokenizer, spec)
+    stages.student.train()
+    batch = stages.generate(0)
+    torch.manual_seed(0)
+    out["parity"] = compare(stages.student, stages.teacher, batch)
+    return out
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    if spec["system"] == "stages":
+        return child_stages(spec)
+    _, kind, overrides, threads = SYSTEMS[spec["system"]]
+    if kind == "trl":
+        return child_trl(spec, threads, overrides)
+    if kind == "plain":
+        return child_plain(spec, overrides)
+    return child_pipeline(spec, overrides)
+
+
+# --- parent -----------------------------------------------------------------------------------------
+def launch(spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    """Run one child process; returns its result with the launch time and process wall time."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    env = {**os.environ, **ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent / "src"), env.get("PYTHONPATH")) if p)
+    t_launch = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
+    t_exit = time.time()
+    lines = log.read_text().splitlines()
+    result = [ln for ln in lines if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not result:
+        tail = "\n".join(lines[-25:])
+        raise SystemExit(f"vs_trl: {spec['system']} failed (exit {proc.returncode}); log {log}:\n{tail}")
+    out = json.loads(result[-1][len("RESULT ") :])
+    out["launch"], out["process_s"] = t_launch, t_exit - t_launch
+    return out
+
+
+def figures(res: dict[str, Any], skip: int) -> dict[str, float]:
+    """Steady samples/s, wall and first-step latency from one child's step clock (module docstring)."""
+    ends, kept, n = res["step_ends"], res["kept"], len(res["step_ends"])
+    if n <= skip:
+        raise SystemExit(f"vs_trl: {n} steps leave nothing after --skip {skip}; raise --steps")
+    return {
+        "steady_samples_per_s": sum(kept[skip:]) / (ends[-1] - ends[skip - 1]),
+        "wall_s": ends[-1] - res["launch"],
+        "first_step_s": ends[0] - res["launch"],
+        "process_s": res["process_s"],
+        "exact_match": res["exact_match"],
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m, ref = report["medians"], report["medians"][REFERENCE]
+    steps = report["settings"]["steps"]
+    head = (
+        f"| system | steady samples/s | × TRL | wall for {steps} steps | × TRL | first step "
+        "| final exact match |"
+    )
+    lines = [
+        head,
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in m.items():
+        label, threads = SYSTEMS[name][0], report["rounds"][name][0].get("threads")
+        if SYSTEMS[name][3] is None and threads is not None:
+            label += f" ({threads})"
+        lines.append(
+            f"| {label} | {row['steady_samples_per_s']:.1f} "
+            f"| {row['steady_samples_per_s'] / ref['steady_samples_per_s']:.2f} | {row['wall_s']:.1f} s "
+            f"| {row['wall_s'] / ref['wall_s']:.2f} | {row['first_step_s']:.1f} s "
+            f"| {row['exact_match']:.3f} |"
+        )
+    names = {"dense": "dense forward KL", "top16": "top-16 forward KL"}
+    cores = report["settings"]["cores"]
+    for key, lim in report["stages"]["limits"].items():
+        lines.append(
+            f"| {cores}-core limit, {names[key]} (min of {cores}·B/Σ = {lim['work_bound']:.0f}, "
+            f"B/max process = {lim['pipeline_bound']:.0f}, {lim['bottleneck']}) | {lim['limit']:.1f} "
+            f"| {lim['limit'] / ref['steady_samples_per_s']:.2f} | | | | |"
+        )
+    st = report["stages"]
+    stage_ms = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in st["limits"]["dense"]["stage_s"].items())
+    p = st["parity"]
+    for name, rows in report["rounds"].items():
+        if "breakdown" in rows[0]:
+            b = {k: statistics.median(r["breakdown"][k] for r in rows) for k in rows[0]["breakdown"]}
+            lines.append(
+                f"\n{name} step (median ms): {b['step']:.0f} = data wait {b['data_wait']:.0f} + compute "
+                f"{b['compute']:.0f} + publish {b['publish']:.0f}"
+                + (
+                    f"; per batch: generate {b['generate']:.0f}, score {b['score']:.0f}, hand-offs "
+                    f"{b['handoff_gen_to_score']:.0f} + {b['handoff_score_to_learner']:.0f}, generator "
+                    f"admission wait {b['admission_wait']:.0f}."
+                    if "generate" in b
+                    else "."
+                )
+            )
+    lines += [
+        "",
+        f"Initial exact match (the pretrained student): {st['initial_exact_match']:.3f}. "
+        f"Stage times alone, one thread, dense cache (ms): {stage_ms}.",
+        f"Parity on the first batch (same weights, teacher, completions): asyncrl dense forward KL "
+        f"{p['loss_asyncrl']:.6f} vs TRL beta=0 {p['loss_trl']:.6f} (relative difference "
+        f"{p['loss_rel_diff']:.1e}; gradients {p['grad_rel_diff']:.1e}; tolerance 1e-5).",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--regime", choices=sorted(REGIMES), default="short")
+    ap.add_argument("--task", default=None, help="override the regime's task")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override the regime's new tokens")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--cache-dir", default=".asyncrl_cache", help="where the pretrained pairs are")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip", type=int, default=2, help="steps excluded from steady samples/s")
+    ap.add_argument("--eval-size", type=int, default=256)
+    ap.add_argument("--stage-repeats", type=int, default=5)
+    ap.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU cores of the limit rows")
+    ap.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--out", default=None, help="directory for vs_trl.json, vs_trl.md and the child logs")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        out = child(json.loads(args.child))
+        print("RESULT " + json.dumps(out), flush=True)
+        return out
+    if args.skip < 1:
+        ap.error("--skip must be >= 1: steady throughput starts at the end of step --skip")
+    if REFERENCE not in args.systems:
+        ap.error(f"--systems must include {REFERENCE!r}: the ratios are against it")
+    regime = REGIMES[args.regime]
+    settings = {
+        "regime": args.regime,
+        "task": args.task or regime["task"],
+        "max_new_tokens": args.max_new_tokens or regime["max_new_tokens"],
+        "preset": args.preset,
+        "cache_dir": str(Path(args.cache_dir).resolve()),
+        "steps": args.steps,
+        "batch": args.batch,
+        "seed": 0,
+        "eval_size": args.eval_size,
+        "skip": args.skip,
+        "stage_repeats": args.stage_repeats,
+        "cores": args.cores,
+    }
+    pair_dirs(settings)  # fail now, with the pretrain command, if the pair is missing
+    out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="vs_trl-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="vs_trl-runs-"))
+
+    def spec(system: str, tag: str) -> dict[str, Any]:
+        return {**settings, "system": system, "run_dir": str(scratch / tag)}
+
+    try:
+        print(f"[vs_trl] stage times, initial accuracy, parity ({out_dir / 'stages.log'})", flush=True)
+        stages = launch(spec("stages", "stages"), out_dir / "stages.log")
+        per_round: dict[str, list[dict[str, float]]] = {s: [] for s in args.systems}
+        for r in range(args.rounds):
+            order = args.systems[r % len(args.systems) :] + args.systems[: r % len(args.systems)]
+            for system in order:
+                tag = f"{system}-r{r}"
+                res = launch(spec(system, tag), out_dir / f"{tag}.log")
+                fig = figures(res, args.skip)
+                extra = (
+                    "summary_samples_per_s",
+                    "trl_train_samples_per_s",
+                    "lag_max",
+                    "threads",
+                    "checkpointing",
+                    "breakdown",
+                )
+                fig.update({k: res[k] for k in extra if k in res})
+                per_round[system].append(fig)
+                print(
+                    f"[vs_trl] round {r + 1}/{args.rounds} {system:11s} "
+                    f"{fig['steady_samples_per_s']:7.1f} samples/s  wall {fig['wall_s']:5.1f} s  "
+                    f"first step {fig['first_step_s']:5.1f} s  exact match {fig['exact_match']:.3f}",
+                    flush=True,
+                )
+                shutil.rmtree(scratch / tag, ignore_errors=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    keys = ("steady_samples_per_s", "wall_s", "first_step_s", "process_s", "exact_match")
+    medians = {s: {k: statistics.median(f[k] for f in rows) for k in keys} for s, rows in per_round.items()}
+    report = {
+        "settings": settings,
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/vs_trl.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "rounds": per_round,
+        "medians": medians,
+        "stages": stages,
+    }
+    table = markdown(report)
+    (out_dir / "vs_trl.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "vs_trl.md").write_text(table + "\n")
+    print(
+        f"\nregime={args.regime} task={settings['task']} T={settings['max_new_tokens']} preset={args.preset} "
+        f"B={args.batch} steps={args.steps} rounds={args.rounds} (medians); JSON and Markdown in {out_dir}\n"
+    )
+    print(table)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,112 @@
+"""Fault injection for reliability tests and soak runs: every fault is off unless configured.
+
+The ``faults:`` config section names where a run should break: a process exits (as an OOM
+kill or a segfault would, no cleanup) or the loss turns NaN, at a given count. Each process
+kind has one injection point:
+
+- ``generator_exit: k``: a generator process exits right after its k-th admission;
+- ``scorer_exit: k``: a teacher/reward scoring process exits at the start of its k-th block;
+- ``learner_exit: k``: learner rank 0 exits right after optimizer step k;
+- ``nonfinite_step: k`` (with ``nonfinite_count: n``): the student's logits (so the loss and the
+  gradient) are NaN in n attempts in a row from the first attempt at optimizer step k on (a
+  skipped step does not advance the step count, so its retry is the next attempt), once per run;
+- ``generator_delay_p`` / ``generator_delay_s``: a generator sleeps up to ``s`` seconds before a
+  block with probability ``p`` (seeded per block), the slow-generator soak.
+
+Process exits and NaN steps fire once per run directory: the first process to reach the count creates
+``RUN/faults/<point>`` (atomically, so two generators cannot both fire), and neither a restarted
+process nor a resumed run fires it again. Driver death is injected from outside
+(``kill -9`` of the ``asyncrl run`` process group): see ``scripts/soak.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from asyncrl.configurable import check, field
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    generator_exit: int = field(
+        0, help="chaos testing: a generator process exits after its k-th admission (once per run); 0 = off"
+    )
+    scorer_exit: int = field(
+        0, help="chaos testing: a teacher/reward scorer exits at its k-th block (once per run); 0 = off"
+    )
+    learner_exit: int = field(
+        0, help="chaos testing: learner rank 0 exits after optimizer step k (once per run); 0 = off"
+    )
+    nonfinite_step: int = field(
+        0, help="chaos testing: NaN logits from the first attempt at optimizer step k (once per run); 0 = off"
+    )
+    nonfinite_count: int = field(
+        1, help="chaos testing: how many step attempts in a row nonfinite_step lasts"
+    )
+    generator_delay_p: float = field(0.0, help="chaos testing: probability a generator sleeps before a block")
+    generator_delay_s: float = field(0.0, help="chaos testing: longest such sleep (uniform), seconds")
+
+    def __post_init__(self) -> None:
+        for name in ("generator_exit", "scorer_exit", "learner_exit", "nonfinite_step"):
+            check(getattr(self, name) >= 0, name, getattr(self, name), "use 0 (off) or a count k >= 1")
+        check(self.nonfinite_count >= 1, "nonfinite_count", self.nonfinite_count, "use an integer >= 1")
+        check(
+            0.0 <= self.generator_delay_p <= 1.0,
+            "generator_delay_p",
+            self.generator_delay_p,
+            "use a probability in [0, 1]",
+        )
+        check(self.generator_delay_s >= 0, "generator_delay_s", self.generator_delay_s, "use seconds >= 0")
+
+    @property
+    def active(self) -> bool:
+        return self != FaultConfig()
+
+
+@dataclass(frozen=True)
+class Faults:
+    """A run's fault plan plus where its once-only markers live (picklable; handed to every stage)."""
+
+    config: FaultConfig
+    marker_dir: str
+
+    def once(self, point: str, count: int) -> bool:
+        """True exactly once per run directory: when ``count`` reaches the configured k of ``point``."""
+        k = getattr(self.config, point)
+        if k <= 0 or count != k:
+            return False
+        Path(self.marker_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(Path(self.marker_dir, point), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def fired(self, point: str) -> bool:
+        return Path(self.marker_dir, point).exists()
+
+    def exit_if(self, point: str, count: int) -> None:
+        """Exit this process now, without cleanup, if ``point`` fires at ``count``."""
+        if self.once(point, count):
+            print(f"asyncrl: fault injected: {point} at {count}", flush=True)
+            os._exit(1)
+
+    def delay(self, seed: int, block_index: int) -> float:
+        """Sleep before a generator block (seeded per block); returns the seconds slept."""
+        c = self.config
+        if c.generator_delay_p <= 0 or c.generator_delay_s <= 0:
+            return 0.0
+        rng = np.random.default_rng([seed, block_index, 7])
+        if rng.random() >= c.generator_delay_p:
+            return 0.0
+        seconds = float(rng.uniform(0.0, c.generator_delay_s))
+        time.sleep(seconds)
+        return seconds
+
+
+NO_FAULTS = Faults(FaultConfig(), "")

@@ -1,0 +1,268 @@
+"""Gradient diagnostics (asyncrl.telemetry.gradients): the estimator's gradient against the exact
+dense-KL gradient on the same batch, split-half variance, per-bucket norms, which blocks carry the
+dense logits, the consecutive-gradient cosine, and the plan-time refusals."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl import records as R
+from asyncrl.caches import CACHES, score_teacher
+from asyncrl.engines.base import SamplingParams
+from asyncrl.engines.hf import HFEngine
+from asyncrl.estimators import build
+from asyncrl.telemetry import gradients as G
+from asyncrl.telemetry import names as N
+from asyncrl.telemetry.steps import bucket_metrics, teacher_mass
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+V = 12
+EOS, PAD = 1, 0
+
+
+def _lm(seed: int, hidden: int = 16, scale: float = 1.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def _batch(student, teacher, cache: str, *, seed: int, n: int = 16, m: int = 4, k: int = 4) -> dict:
+    """Rollouts of ``student`` (with m behavior draws) scored by ``teacher`` into ``cache`` + dense."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(2, V, (n, 3), generator=g)
+    prompt_mask = torch.ones(n, 3, dtype=torch.bool)
+    engine = HFEngine(student, {"eos_id": EOS, "pad_id": PAD})
+    out = engine.generate(prompt_ids, prompt_mask, SamplingParams(max_new_tokens=4, mc_samples=m), seed=seed)
+    batch = {R.PROMPT_IDS: prompt_ids, R.PROMPT_MASK: prompt_mask, **out}
+    batch[R.MC_BEHAVIOR_LOGPROBS] = batch[R.MC_BEHAVIOR_LOGPROBS].double()
+    kind = CACHES.get(cache)(**({"k": k} if cache == "topk" else {}))
+    batch |= score_teacher(teacher, batch, G.WithDenseLogits(kind))
+    return batch
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _lm(0), _lm(1, hidden=32, scale=3.0)
+
+
+def _probe(student, name: str, options: dict | None = None) -> G.GradientProbe:
+    return G.GradientProbe(student, build(name, options or {}))
+
+
+# --- against the dense reference ---------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl"])
+def test_a_dense_estimator_is_its_own_reference(pair, name) -> None:
+    student, teacher = pair
+    batch = _batch(student, teacher, "dense", seed=0)
+    out = _probe(student, name, {"dense": True})(batch)
+    # the probed batch's exact KLs are the dense estimators' losses (token means)
+    with torch.no_grad():
+        z = R.completion_logits(
+            student,
+            batch[R.PROMPT_IDS],
+            batch[R.PROMPT_MASK],
+            batch[R.COMPLETION_IDS],
+            batch[R.COMPLETION_MASK],
+        )
+    for direction, key in (("forward_kl", N.KL_TEACHER_FORWARD), ("reverse_kl", N.KL_TEACHER_REVERSE)):
+        loss = build(direction, {"dense": True})(z, batch).loss
+        assert out[key] == pytest.approx(float(loss), rel=1e-9)
+    assert out[N.GRADREF_COS] == pytest.approx(1.0, abs=1e-9)
+    assert out[N.GRADREF_REL_ERR] == pytest.approx(0.0, abs=1e-7)
+    assert out[N.GRADREF_BIAS_SQ_REL] == pytest.approx(0.0, abs=1e-12)
+    assert out[N.GRADREF_NOISE_REL] == pytest.approx(0.0, abs=1e-12)
+    assert out["gradref/norm_est"] == pytest.approx(out["gradref/norm_ref"], rel=1e-9)
+    assert out["gradref/var_rel"] == pytest.approx(out["gradref/ref_var_rel"], rel=1e-9)
+
+
+def test_forward_topk_is_exact_at_k_equal_v_and_biased_below(pair) -> None:
+    student, teacher = pair
+    full = _probe(student, "forward_kl")(_batch(student, teacher, "topk", seed=1, k=V))
+    assert full[N.GRADREF_COS] == pytest.approx(1.0, abs=1e-9)
+    small = _probe(student, "forward_kl")(_batch(student, teacher, "topk", seed=1, k=2))
+    assert small[N.GRADREF_COS] < 0.999
+    assert small[N.GRADREF_REL_ERR] > 1e-3
+
+
+def test_mc_noise_falls_with_m_and_the_online_estimator_is_unbiased(pair) -> None:
+    """reverse_kl_mc (online advantage, unbiased): the error's variance falls ~1/m, and averaged
+    over batches the squared-bias estimate is near 0, unlike the biased top-2 reverse KL."""
+    student, teacher = pair
+    mc = _probe(student, "reverse_kl_mc", {"advantage": "online"})
+    noise = {}
+    for m in (1, 16):
+        runs = [mc(_batch(student, teacher, "behavior_mc", seed=s, m=m, n=32)) for s in range(6)]
+        noise[m] = np.mean([r[N.GRADREF_NOISE_REL] for r in runs])
+        if m == 16:
+            bias_mc = np.mean([r[N.GRADREF_BIAS_SQ_REL] for r in runs])
+    assert noise[1] > 5 * noise[16]
+    topk = _probe(student, "reverse_kl")
+    bias_topk = np.mean(
+        [topk(_batch(student, teacher, "topk", seed=s, k=2, n=32))[N.GRADREF_BIAS_SQ_REL] for s in range(6)]
+    )
+    assert abs(bias_mc) < 0.25 * noise[16] + 0.02
+    assert bias_topk > 0.1 and bias_topk > 5 * abs(bias_mc)
+
+
+def test_compare_formulas_on_known_halves() -> None:
+    """Constant bias c: noise 0, bias^2 = |c|^2/|g|^2; halves weighted by their counts."""
+    ref_a, ref_b = (
+        torch.tensor([1.0, 0.0], dtype=torch.float64),
+        torch.tensor([0.0, 2.0], dtype=torch.float64),
+    )
+    c = torch.tensor([0.5, -0.5], dtype=torch.float64)
+    out = G._compare([G._Half(ref_a + c, ref_a, 1.0), G._Half(ref_b + c, ref_b, 3.0)])
+    g = 0.25 * ref_a + 0.75 * ref_b
+    assert out[N.GRADREF_NOISE_REL] == pytest.approx(0.0, abs=1e-15)
+    assert out[N.GRADREF_BIAS_SQ_REL] == pytest.approx(float(c.dot(c) / g.dot(g)))
+    assert out["gradref/ref_var_rel"] == pytest.approx(
+        0.25 * 0.75 * float((ref_a - ref_b).square().sum() / g.dot(g))
+    )
+    assert out["gradref/norm_ref"] == pytest.approx(float(g.norm()))
+
+
+def test_split_half_variance_is_unbiased_for_independent_noise() -> None:
+    """est_h = ref + noise_h with Var(noise_h) = s^2/n_h per coordinate: E[noise_rel] = trace Var(ĝ)/|g|^2."""
+    gen = torch.Generator().manual_seed(0)
+    ref, d, s2 = torch.ones(50, dtype=torch.float64), 50, 0.3
+    na, nb = 10.0, 30.0
+    vals = []
+    for _ in range(4000):
+        ea = ref + torch.randn(d, generator=gen, dtype=torch.float64) * math.sqrt(s2 / na)
+        eb = ref + torch.randn(d, generator=gen, dtype=torch.float64) * math.sqrt(s2 / nb)
+        vals.append(G._compare([G._Half(ea, ref, na), G._Half(eb, ref, nb)]))
+    truth = d * s2 / (na + nb) / float(ref.dot(ref))
+    assert np.mean([v[N.GRADREF_NOISE_REL] for v in vals]) == pytest.approx(truth, rel=0.05)
+    assert np.mean([v[N.GRADREF_BIAS_SQ_REL] for v in vals]) == pytest.approx(0.0, abs=0.05 * truth)
+
+
+def test_keep_restricts_and_buckets_get_gradient_norms(pair) -> None:
+    student, teacher = pair
+    batch = _batch(student, teacher, "topk", seed=2)
+    probe = _probe(student, "forward_kl")
+    keep = np.ones(16, dtype=bool)
+    keep[:4] = False
+    lags = np.array([0] * 8 + [3] * 8)
+    out = probe(batch, keep=keep, lags=lags)
+    assert {N.bucket_key("0", "grad_norm"), N.bucket_key("3-4", "grad_norm")} <= set(out)
+    sub = {k: v[4:] for k, v in batch.items()}
+    assert out[N.GRADREF_COS] == pytest.approx(probe(sub)[N.GRADREF_COS], abs=1e-12)
+    one = probe(batch, lags=np.full(16, 2))
+    assert one[N.bucket_key("2", "grad_norm")] == pytest.approx(one["gradref/norm_est"], rel=1e-12)
+
+
+def test_probe_writes_no_grad_and_needs_the_dense_column(pair) -> None:
+    student, teacher = pair
+    batch = _batch(student, teacher, "topk", seed=3)
+    _probe(student, "forward_kl")(batch)
+    assert all(p.grad is None for p in student.parameters())
+    batch.pop(R.TEACHER_LOGITS)
+    with pytest.raises(ValueError, match="teacher_logits"):
+        _probe(student, "forward_kl")(batch)
+
+
+def test_estimand_of_each_estimator() -> None:
+    assert G.estimand(build("forward_kl_mc", {})) == "forward"
+    assert G.estimand(build("reverse_kl_stratified", {})) == "reverse"
+    with pytest.raises(ValueError, match=r"grpo.*grad_reference=none"):
+        G.estimand(build("grpo", {}))
+
+
+# --- which blocks carry the dense logits ----------------------------------------------------------------
+def test_dense_reference_due_per_block() -> None:
+    due = [b for b in range(12) if G.dense_reference_due(b, every=3, workers=1, minibatches=1)]
+    assert due == [0, 3, 6, 9]
+    # two workers: rank 0's blocks (even) of rollouts 0, 3
+    due = [b for b in range(12) if G.dense_reference_due(b, every=3, workers=2, minibatches=1)]
+    assert due == [0, 6]
+    # two mini-batches per rollout: rollout r trains versions 2r, 2r+1; every 3 -> rollouts 0, 1, 3, 4
+    due = [b for b in range(6) if G.dense_reference_due(b, every=3, workers=1, minibatches=2)]
+    assert due == [0, 1, 3, 4]
+    with pytest.raises(ValueError, match="grad_every"):
+        G.dense_reference_due(0, every=0, workers=1, minibatches=1)
+
+
+def test_with_dense_logits_adds_the_full_logits(pair) -> None:
+    student, teacher = pair
+    batch = _batch(student, teacher, "topk", seed=4)
+    z = R.completion_logits(
+        teacher, batch[R.PROMPT_IDS], batch[R.PROMPT_MASK], batch[R.COMPLETION_IDS], batch[R.COMPLETION_MASK]
+    )
+    torch.testing.assert_close(batch[R.TEACHER_LOGITS], z.float().detach())
+    wrapped = G.WithDenseLogits(CACHES.get("topk")(k=4))
+    assert wrapped.columns() == (R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS, R.TEACHER_LOGITS)
+
+
+# --- consecutive gradients and teacher mass ----------------------------------------------------------------
+def test_gradient_trace_cosine() -> None:
+    trace = G.GradientTrace()
+    a = [torch.tensor([1.0, 0.0]), torch.tensor([2.0])]
+    assert trace(a) == {}
+    assert trace([torch.tensor([1.0, 0.0]), torch.tensor([2.0])])[N.GRAD_COS_PREV] == pytest.approx(1.0)
+    assert trace([torch.tensor([-1.0, 0.0]), torch.tensor([-2.0])])[N.GRAD_COS_PREV] == pytest.approx(-1.0)
+    assert trace([torch.tensor([0.0, 3.0]), torch.tensor([0.0])])[N.GRAD_COS_PREV] == pytest.approx(0.0)
+
+
+def test_teacher_mass_per_sample_and_bucket() -> None:
+    lp = np.log(np.array([[[0.5, 0.25], [0.9, 0.05]], [[0.1, 0.1], [0.2, 0.2]]]))
+    mask = np.array([[True, True], [True, False]])
+    mass = teacher_mass(lp, mask)
+    np.testing.assert_allclose(mass, [(0.75 + 0.95) / 2, 0.2])
+    rows = {
+        "kept": np.array([True, True]),
+        "lag": np.array([0, 2]),
+        "loss": np.zeros(2),
+        "kl_behavior_current": np.zeros(2),
+        "reward": np.zeros(2),
+        "seq_log_ratio": np.zeros(2),
+        N.SAMPLE_TEACHER_MASS: mass,
+    }
+    out = bucket_metrics(rows)
+    assert out[N.bucket_key("0", "teacher_mass")] == pytest.approx(0.85)
+    assert out[N.bucket_key("2", "teacher_mass")] == pytest.approx(0.2)
+
+
+# --- plan-time refusals ----------------------------------------------------------------------------------
+def _check(overrides: list[str], student_dir: str | None = None) -> None:
+    from asyncrl.config import load_config
+    from asyncrl.estimators import build as build_est
+    from asyncrl.plan import check_gradient_telemetry
+
+    cfg = load_config(None, overrides)
+    check_gradient_telemetry(cfg, build_est(cfg.estimator.name, dict(cfg.estimator.options)), student_dir)
+
+
+def test_plan_refuses_rl_large_vocab_and_deepspeed(tmp_path, monkeypatch) -> None:
+    _check(["telemetry.grad_reference=dense"])
+    with pytest.raises(ValueError, match="learns from rewards"):
+        _check(["telemetry.grad_reference=dense", "estimator.name=grpo", "train.group_size=2"])
+    with pytest.raises(ValueError, match="deepspeed"):
+        _check(["telemetry.grad_cos_prev=true", "pipeline.backend=deepspeed"])
+    _lm(0).save_pretrained(tmp_path)
+    _check(["telemetry.grad_reference=dense"], str(tmp_path))
+    monkeypatch.setattr(G, "MAX_VOCAB", V - 1)
+    with pytest.raises(ValueError, match=rf"V={V}.*grad_reference=none"):
+        _check(["telemetry.grad_reference=dense"], str(tmp_path))
+    with pytest.raises(Exception, match="grad_every"):
+        _check(["telemetry.grad_every=0"])
