@@ -211,7 +211,7 @@ def test_with_dense_logits_adds_the_full_logits(pair) -> None:
     )
     torch.testing.assert_close(batch[R.TEACHER_LOGITS], z.float().detach())
     wrapped = G.WithDenseLogits(CACHES.get("topk")(k=4))
-    assert wrapped.columns() == (R.TEACHER_TOPK_IDS, R.TEACHER_TOPK_LOGPROBS, R.TEACHER_LOGITS)
+    assert wrapped.columns() == (*CACHES.get("topk")(k=4).columns(), R.TEACHER_LOGITS)
 
 
 # --- consecutive gradients and teacher mass ----------------------------------------------------------------
