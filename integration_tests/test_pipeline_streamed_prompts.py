@@ -53,12 +53,22 @@ def test_ray_data_readers_give_each_format_in_file_order(ray_local, tmp_path):
 
 def test_a_worker_warning_and_error_reach_the_terminal(tiny_pair, tmp_path):
     """At the default verbosity Ray's internals are hidden but a real warning (a prompt skipped
-    in the streaming actor) and a real error (a bad row, raised in that actor) are shown."""
+    in the streaming actor) and a real error (a bad row, raised in that actor) are shown.
+
+    The bad rows sit in a file the driver's check (``plan.check_prompts``: the first 2048 rows in
+    sorted file order) does not reach but the stream reads first (files in ``rng([seed, 0])``
+    order), so only the stream finds them."""
+    import numpy as np
+
+    seed = next(s for s in range(100) if np.random.default_rng([s, 0]).permutation(2)[0] == 1)
     rows = [{"prompt": f"{i % 50:02d}+01=", "answer": "x"} for i in range(60)]
     rows[3] = {"prompt": "1" * 40 + "=", "answer": "x"}  # longer than max_prompt_tokens: skipped
     rows[40] = {"prompt": "", "answer": "x"}  # a bad row, found only when the stream reaches it
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "prompts"
+    path.mkdir()
+    good = [{"prompt": f"{i % 50:02d}+02=", "answer": "x"} for i in range(2048)]
+    (path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))  # checked, streamed second
+    (path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))  # streamed first
     cmd = [
         sys.executable,
         "-m",
@@ -68,6 +78,7 @@ def test_a_worker_warning_and_error_reach_the_terminal(tiny_pair, tmp_path):
         f"run_dir={tmp_path / 'run'}",
         f"workload.cache_dir={CACHE}",
         f"workload.prompts_path={path}",
+        f"seed={seed}",
         "workload.shuffle_window=1",  # stream order = file order: the bad row comes at block 2
         "workload.max_prompt_tokens=8",
         "pipeline.max_lag=0",
@@ -81,7 +92,7 @@ def test_a_worker_warning_and_error_reach_the_terminal(tiny_pair, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "skipped a prompt of 42 tokens" in out, out  # the warning, from the actor
-    assert "every prompt must be a non-empty string" in out, out  # the error
+    assert "has an empty 'prompt'" in out and str(path) in out, out  # the error, naming the source
     assert out.rstrip().splitlines()[-1].startswith("asyncrl: error:"), out
     for internal in ("core_worker.cc", "PlacementGroupCleaner", "Loading weights", "RayDeprecationWarning"):
         assert internal not in out, (internal, out)

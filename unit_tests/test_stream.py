@@ -206,3 +206,26 @@ def test_an_empty_source_fails_with_one_line(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="no rows"):
         stream(src).block(0)
+
+
+@pytest.mark.parametrize("name", ["char", "qwen"])
+def test_streamed_prompts_encode_as_the_models_are_prompted(tmp_path, name) -> None:
+    """A ``prompt`` row reaches the generators with the ids ``encode_prompts`` gives a built-in
+    task's prompt: a user turn of the chat template for qwen, ``<bos>`` + text for char."""
+    from asyncrl.workloads.tasks import encode_prompts
+    from asyncrl.workloads.tokenizer import TOKENIZERS
+
+    tok = TOKENIZERS.get(name).build()
+    rows = addition_rows(4)
+    src = PromptSource.open(write_jsonl(tmp_path / "p.jsonl", rows))
+    s = FileStream(
+        src, tok, seed=0, group_size=1, block_samples=4, window=1, reader=local_reader(src.kind)
+    )  # window 1: file order
+    (block,) = take(s, 1)
+    ids, mask = encode_prompts(tok, [r["prompt"] for r in rows], block[R.PROMPT_IDS].shape[1])
+    assert np.array_equal(block[R.PROMPT_IDS], ids.numpy())
+    assert np.array_equal(block[R.PROMPT_MASK], mask.numpy())
+    if name == "qwen":
+        assert tok.decode(block[R.PROMPT_IDS][0][block[R.PROMPT_MASK][0]]).startswith(
+            "<|im_start|>user\n0+0="
+        )

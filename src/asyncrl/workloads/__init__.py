@@ -27,6 +27,7 @@ _EXPORTS = {
     "get_task": "tasks",
     "reward_function": "tasks",
     "PromptSource": "prompts",
+    "load_prompts": "tasks",
     "encode_prompts": "tasks",
     "prompt_token_ids": "tasks",
     "answer_token_budget": "tasks",
