@@ -1,5 +1,6 @@
 """The executor patch of ``asyncrl.raysetup``, without a Ray cluster: the first-ready wait, the
-import hook that applies it lazily, and the runtime environment that carries it."""
+import hook that applies it lazily, and the runtime environment that carries it (and the
+environment asyncrl gives Ray's worker processes)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,18 @@ def test_runtime_env_carries_the_hook_unless_disabled():
     assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
     assert env["env_vars"] == {
         "A": "1",
+        **raysetup.WORKER_ENV,
         raysetup.TICK_ENV: "0.05",
         "RAY_DATA_METADATA_PREFETCH_ON_THREAD": "0",
     }
-    assert raysetup.runtime_env({"A": "1"}, None) == {"env_vars": {"A": "1"}}
+    assert raysetup.runtime_env({"A": "1"}, None) == {"env_vars": {"A": "1", **raysetup.WORKER_ENV}}
+
+
+def test_workers_never_auto_start_a_ray_instance_and_get_the_tick() -> None:
+    env = raysetup.runtime_env(dict(raysetup.RAY_ENV), 0.01)
+    assert env["env_vars"]["RAY_ENABLE_AUTO_CONNECT"] == "0"
+    assert raysetup.WORKER_ENV.items() <= env["env_vars"].items()
+    assert env["env_vars"][raysetup.TICK_ENV] == "0.01"
+    assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
+    plain = raysetup.runtime_env({}, None)["env_vars"]
+    assert raysetup.TICK_ENV not in plain and raysetup.WORKER_ENV.items() <= plain.items()

@@ -141,6 +141,37 @@ def test_build_model_is_deterministic_in_seed() -> None:
         ModelSpec(hidden=30, heads=4)
 
 
+def test_supervised_training_shows_a_progress_line_per_eval() -> None:
+    """Pretraining reports through the same display as runs: plain lines at its evals."""
+    import io
+
+    from asyncrl.telemetry.progress import SUPERVISED_FIELDS, Progress
+    from asyncrl.workloads.presets import Schedule, build_model
+    from asyncrl.workloads.pretrain import train_supervised
+
+    tok = char_tokenizer()
+    task = get_task("addition")
+    model = build_model(get_preset("tiny").student, len(tok), 0)
+    schedule = Schedule(max_steps=6, warmup=1, batch_size=8, eval_every=3, stop_at=1.01)
+    out = io.StringIO()
+    with Progress(6, stream=out, title="pretrain student", fields=SUPERVISED_FIELDS, log_every_s=3600) as bar:
+        train_supervised(
+            model,
+            tok,
+            task,
+            task.make_examples("train", 32, 0),
+            task.make_examples("eval", 8, 0),
+            schedule,
+            seed=0,
+            progress=bar,
+        )
+    lines = out.getvalue().splitlines()
+    assert [line.split()[3] for line in lines] == ["3/6", "6/6"]
+    assert all(
+        line.startswith("[pretrain student] step") and "loss " in line and "eval " in line for line in lines
+    )
+
+
 # --- per-task presets, the student band and the hard errors --------------------------------------------
 def test_for_task_applies_only_that_tasks_overrides() -> None:
     tiny = get_preset("tiny")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,14 +11,12 @@ from asyncrl.registry import RegistryError
 from asyncrl.workloads.tasks import (
     TASKS,
     Addition,
-    Example,
     Reverse,
     RunningSum,
     Task,
     char_overlap,
     encode_prompts,
     get_task,
-    load_prompts,
     split_of,
 )
 from asyncrl.workloads.tokenizer import BOS_ID, PAD_ID, char_tokenizer
@@ -120,47 +116,6 @@ def test_get_task_accepts_dotted_path_class_and_instance() -> None:
     t = Addition(digits=3)
     assert get_task(t) is t
     assert get_task(Reverse).name == "reverse"
-
-
-def test_load_prompts_jsonl_and_parquet(tmp_path) -> None:
-    rows = [
-        {"prompt": "1+1=", "answer": "2"},
-        {"prompt": "2+2="},
-        {"prompt": "x", "answer": 5, "prompt_id": 9},
-    ]
-    jl = tmp_path / "p.jsonl"
-    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    got = load_prompts(jl)
-    assert got == [Example("1+1=", "2", 0), Example("2+2=", "", 1), Example("x", "5", 9)]
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    pqf = tmp_path / "p.parquet"
-    pq.write_table(pa.table({"prompt": ["a=", "b="], "answer": ["1", None]}), pqf)
-    assert load_prompts(pqf) == [Example("a=", "1", 0), Example("b=", "", 1)]
-
-
-def test_load_prompts_errors(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_prompts(tmp_path / "missing.jsonl")
-    f = tmp_path / "bad.jsonl"
-    f.write_text(json.dumps({"text": "1+1="}) + "\n")
-    with pytest.raises(ValueError, match=r"no 'prompt' column.*'text'"):
-        load_prompts(f)
-    f.write_text("{not json\n")
-    with pytest.raises(ValueError, match="line 1 is not valid JSON"):
-        load_prompts(f)
-    f.write_text(json.dumps({"prompt": 3}) + "\n")
-    with pytest.raises(ValueError, match="non-string 'prompt'"):
-        load_prompts(f)
-    g = tmp_path / "p.csv"
-    g.write_text("prompt\n1\n")
-    with pytest.raises(ValueError, match="unsupported extension"):
-        load_prompts(g)
-    e = tmp_path / "empty.jsonl"
-    e.write_text("")
-    with pytest.raises(ValueError, match="no rows"):
-        load_prompts(e)
 
 
 def test_encode_prompts_left_pads_with_bos() -> None:

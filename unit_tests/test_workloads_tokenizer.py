@@ -96,8 +96,34 @@ def test_qwen_chat_template_and_round_trip(tmp_path) -> None:
     assert prompt_token_ids(again, ["12+34="])[0] == ids and again.padding_side == "left"
 
 
-def test_char_tokenizer_prompts_keep_bos_and_no_template() -> None:
+def test_char_tokenizer_prompts_keep_bos_through_its_chat_template() -> None:
+    """The char tokenizer's chat template (for ``messages`` prompt files) changes no prompt's ids:
+    ``<bos>`` + the prompt, exactly as before it had a template (the ids the cached pretrained
+    models were trained on, and what a checkpoint saved without the template still gets)."""
+    import copy
+
+    from asyncrl.workloads.tasks import TASKS, get_task, prompt_token_ids
+    from asyncrl.workloads.tokenizer import CHAR_CHAT_TEMPLATE
+
+    assert TOK.chat_template == CHAR_CHAT_TEMPLATE
+    untemplated = copy.deepcopy(TOK)
+    untemplated.chat_template = None
+    assert (
+        prompt_token_ids(TOK, ["12+3="])[0]
+        == TOK("12+3=")["input_ids"]
+        == [BOS_ID, *TOK("12+3=", add_special_tokens=False)["input_ids"]]
+    )
+    for name in TASKS.names():
+        prompts = [e.prompt for e in get_task(name).make_examples("train", 256, 0)]
+        prompts += [e.prompt for e in get_task(name).make_examples("eval", 64, 0)]
+        raw = TOK(prompts, add_special_tokens=True)["input_ids"]
+        assert prompt_token_ids(TOK, prompts) == raw == prompt_token_ids(untemplated, prompts), name
+        assert all(ids[0] == BOS_ID and BOS_ID not in ids[1:] for ids in raw)
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text(alphabet=CHARS, min_size=1, max_size=40))
+def test_char_prompt_ids_are_bos_plus_text_for_any_text(text: str) -> None:
     from asyncrl.workloads.tasks import prompt_token_ids
 
-    assert TOK.chat_template is None
-    assert prompt_token_ids(TOK, ["12+3="])[0] == TOK("12+3=")["input_ids"]
+    assert prompt_token_ids(TOK, [text])[0] == TOK(text)["input_ids"]

@@ -15,13 +15,15 @@ __version__ = _dist_version("asyncrl")
 
 if TYPE_CHECKING:
     from asyncrl.pipeline import RunResult
+    from asyncrl.telemetry.progress import Display
 
 
-def run(config: Any) -> RunResult:
-    """Run a whole pipeline from a ``RunConfig`` (or a path to a YAML file). See ``asyncrl.pipeline``."""
+def run(config: Any, *, display: Display | None = None) -> RunResult:
+    """Run a whole pipeline from a ``RunConfig`` (or a path to a YAML file). See ``asyncrl.pipeline``;
+    ``display``: show progress as a row of a caller's ``asyncrl.telemetry.progress.Display``."""
     from asyncrl.pipeline import run as _run
 
-    return _run(config)
+    return _run(config, display=display)
 
 
 __all__ = ["__version__", "run"]

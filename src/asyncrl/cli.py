@@ -1,6 +1,8 @@
 """The ``asyncrl`` command: demo, run, sweep, validate, report, pretrain, eval, ls.
 
-Every subcommand has ``--help``; ``--quiet`` turns progress displays off (CI, logs). Errors
+Every subcommand has ``--help``; ``--quiet`` turns progress displays off (CI, logs);
+``--verbose`` also shows Ray's own logs, known-harmless warnings and per-process loading bars,
+which are hidden by default (``asyncrl.telemetry.console``; real warnings and errors always show). Errors
 print one line naming what is wrong and how to fix it, and exit non-zero (2 for config and
 usage errors, 1 otherwise); ``ASYNCRL_DEBUG=1`` shows the traceback instead. Heavy modules
 (torch, Ray, transformers) are imported inside the commands, so ``asyncrl --help`` is instant.
@@ -418,6 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress output (CI, logs)"
     )
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="also show Ray's own logs, known-harmless warnings and per-process loading bars",
+    )
     parser = argparse.ArgumentParser(
         prog="asyncrl",
         description="Asynchronous on-policy distillation and RL post-training on Ray.",
@@ -426,6 +435,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"asyncrl {asyncrl.__version__}")
     parser.add_argument(
         "-q", "--quiet", action="store_true", default=False, help="no progress output (CI, logs)"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False,
+        help="also show Ray's own logs, known-harmless warnings and per-process loading bars",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -495,9 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
         "check a config and print it resolved",
         "Load a YAML config plus overrides and make every check `asyncrl run` makes before Ray starts: "
         "component names and pairings, the prompt file (exists, parses, has rows and a prompt column, "
-        "fits the models' context), the checkpoints (complete, intact weight files, one vocabulary), "
-        "the CPU/GPU shares of a local run. Prints the resolved config. Exit 0 if valid (a preset pair "
-        "not pretrained yet is a note), 2 with the field or file and the fix otherwise.",
+        "its first 2048 rows fit the models' context), the checkpoints (complete, intact weight files, "
+        "one vocabulary), the CPU/GPU shares of a local run. Prints the resolved config. Exit 0 if valid "
+        "(a preset pair not pretrained yet is a note), 2 with the field or file and the fix otherwise.",
     )
     p.add_argument("config", help="YAML config")
     overrides(p)
@@ -560,8 +576,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncrl`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     from asyncrl.raysetup import apply_env
+    from asyncrl.telemetry.console import set_verbose
 
-    apply_env()  # offline hub, no Ray usage stats: before torch/transformers/Ray are imported
+    if getattr(args, "verbose", False):
+        set_verbose(True)
+    apply_env()  # offline hub, no Ray usage stats, no tqdm bars: before torch/transformers/Ray import
     if not hasattr(args, "quiet"):
         args.quiet = False
     if os.environ.get("ASYNCRL_DEBUG"):

@@ -29,11 +29,33 @@ class WorkloadConfig:
     teacher_path: str | None = field(None, help="HF checkpoint dir of a teacher on disk (overrides preset)")
     student_path: str | None = field(None, help="HF checkpoint dir of a student on disk (overrides preset)")
     prompts_path: str | None = field(
-        None, help="Parquet or JSONL file with a 'prompt' (and 'answer') column instead of the task's split"
+        None,
+        help="training prompts instead of the task's split, streamed by Ray Data: a Parquet or JSONL file, a "
+        "directory of them, or a datasets save_to_disk folder, with a 'prompt' or chat 'messages' column, "
+        "optional 'answer'; other columns reach the task's reward as metadata",
+    )
+    shuffle_window: int = field(
+        65536,
+        help="prompts_path: rows permuted together per epoch (files in seeded order, rows shuffled within "
+        "windows of this many rows); the most rows the stream holds",
+    )
+    max_prompt_tokens: int | None = field(
+        None,
+        help="prompt width P in tokens; None = the longest of the first 2048 prompts (a longer streamed "
+        "prompt is skipped with a warning)",
     )
     pretrain_seed: int = field(0, help="seed of the pretrained teacher/student pair and of the task splits")
     train_size: int = field(4096, help="number of training prompts drawn from the task")
     eval_size: int = field(256, help="number of held-out eval prompts")
+
+    def __post_init__(self) -> None:
+        check(self.shuffle_window >= 1, "shuffle_window", self.shuffle_window, "use a number of rows >= 1")
+        check(
+            self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+            "max_prompt_tokens",
+            self.max_prompt_tokens,
+            "use a number of tokens >= 1, or null to measure it",
+        )
 
 
 @dataclass(frozen=True)

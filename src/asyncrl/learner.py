@@ -130,6 +130,7 @@ def rollout_batches(local_batch_size: int) -> Iterator[dict[str, np.ndarray]]:
     )
     for batch in it:
         if len(batch[R.SAMPLE_ID]):
+            batch = R.writable(batch)  # Ray Data's zero-copy arrays are read-only
             batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
             yield batch
 
@@ -246,10 +247,10 @@ class Learner:
         #: start-up marks (names.STARTUP_MARKS), logged with this process's first step, then None
         self.marks: dict[str, float] | None = {}
         self.pending_extra: dict[str, float] = {}  # gradient figures of a batch that took no step
-        self.writer = self.progress = self.evaluator = self.memory = None
+        # the driver shows progress by following metrics.jsonl (asyncrl.telemetry.progress)
+        self.writer = self.evaluator = self.memory = None
         if self.rank0:
             from asyncrl.telemetry.memory import MemoryProbe
-            from asyncrl.telemetry.progress import Progress
             from asyncrl.telemetry.sinks import RunWriter
 
             self.writer = RunWriter(
@@ -260,7 +261,6 @@ class Learner:
                 keep_sample_ids=np.concatenate(self.ledger) if self.ledger else None,
             )
             self.memory = MemoryProbe()
-            self.progress = Progress(total=tc.steps, enabled=cfg.telemetry.progress, start=self.version)
             tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
             self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
         self.eval_time = 0.0
@@ -411,7 +411,6 @@ class Learner:
         metrics[N.TIME_S] = time.perf_counter() - self.t_run0
         metrics["time/eval_total_s"] = self.eval_time
         self.writer.log_step(self.version, metrics)
-        self.progress.update(self.version, metrics)
         self.t_prev = time.perf_counter()
 
     def evaluate(self) -> float:
@@ -463,7 +462,6 @@ class Learner:
         if self.rank0:
             self.publisher.close()
             self.store.close()
-            self.progress.close()
             self.writer.close()
         if self.version < self.cfg.train.steps and not aborted:
             raise RuntimeError(

@@ -1,6 +1,7 @@
 """Builds and runs the Ray graph of a ``RunPlan`` (``asyncrl.plan``)::
 
-    prompt blocks (in memory, one per learner worker per rollout batch, in stream order)
+    prompt blocks (one per learner worker per rollout batch, in stream order: cut in the driver
+                   for a built-in task, or streamed from prompt files by StreamBlocks, asyncrl.stream)
       -> map_batches(Generate, actor pool)      admitted by the PolicyStore in block order
       -> map_batches(ScoreTeacher | ScoreReward, actor pool)
          (pipeline.fuse_scoring: one map_batches(GenerateAndScore) does both per block)
@@ -35,7 +36,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from asyncrl.plan import (
     prompt_blocks,
 )
 from asyncrl.raysetup import RAY_ENV, apply_env
+from asyncrl.telemetry.progress import Display
 
 
 @dataclass
@@ -67,18 +69,30 @@ class RunResult:
 
 
 def init_ray(cfg: RunConfig) -> bool:
-    """Start (or join) Ray; returns True if this call started it (and so must shut it down)."""
+    """Start (or join) Ray; returns True if this call started it (and so must shut it down).
+    Worker logs reach the driver through ``asyncrl.telemetry.console``'s filter (``-v``: all)."""
     import ray
 
+    from asyncrl.telemetry import console
+
     if ray.is_initialized():
+        console.install_log_filter()
         return False
     from asyncrl.raysetup import runtime_env
 
-    env = runtime_env(dict(RAY_ENV), cfg.pipeline.data_tick_s)
+    env = runtime_env({**RAY_ENV, **console.quiet_env()}, cfg.pipeline.data_tick_s)
+    level = console.ray_logging_level()
     if cfg.pipeline.ray_address:
-        ray.init(address=cfg.pipeline.ray_address, runtime_env=env, log_to_driver=True)
+        ray.init(address=cfg.pipeline.ray_address, runtime_env=env, log_to_driver=True, logging_level=level)
     else:
-        ray.init(num_cpus=local_cpus(cfg), include_dashboard=False, runtime_env=env, log_to_driver=True)
+        ray.init(
+            num_cpus=local_cpus(cfg),
+            include_dashboard=False,
+            runtime_env=env,
+            log_to_driver=True,
+            logging_level=level,
+        )
+    console.install_log_filter()
     return True
 
 
@@ -157,13 +171,16 @@ def faults_of(cfg: RunConfig) -> Faults:
 
 def build_dataset(
     plan: RunPlan,
-    blocks: list[dict[str, np.ndarray]],
+    blocks: list[dict[str, np.ndarray]] | None,
     namespace: str,
     store_name: str,
     *,
     stream: int | None = None,
+    skip_ids: np.ndarray | None = None,
 ) -> Any:
     """The Ray Data graph: prompt blocks -> generation -> teacher (or reward) scoring, in order.
+    ``blocks`` cut in the driver (a built-in task), or None: ``plan.prompts`` streamed
+    (``asyncrl.stream``), without the samples in ``skip_ids`` (a resume's ledger).
     ``stream``: the PolicyStore's id of this stream (``begin_stream``)."""
     import ray.data
 
@@ -174,7 +191,11 @@ def build_dataset(
     faults = faults_of(cfg)
     configure_data_context(cfg)
     local = cfg.train.batch_size // pc.learner_workers
-    ds = ray.data.from_arrow([_to_arrow(b) for b in blocks])
+    ds = (
+        ray.data.from_arrow([_to_arrow(b) for b in blocks])
+        if blocks is not None
+        else streamed(plan, skip_ids)
+    )
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     generate = dict(
@@ -242,6 +263,37 @@ def build_dataset(
     )
 
 
+def streamed(plan: RunPlan, skip_ids: np.ndarray | None) -> Any:
+    """The prompt files as a stream of blocks: block indices (one row each) -> StreamBlocks, an
+    actor pool of one (``asyncrl.stream``)."""
+    import ray.data
+
+    from asyncrl import records as R
+    from asyncrl.plan import stream_blocks
+    from asyncrl.stream import StreamBlocks
+
+    cfg = plan.cfg
+    n = stream_blocks(cfg)
+    indices = ray.data.from_items([{R.BLOCK_INDEX: i} for i in range(n)], override_num_blocks=n)
+    return indices.map_batches(
+        StreamBlocks,
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
+        num_cpus=0.1,
+        fn_constructor_kwargs=dict(
+            source=plan.prompts,
+            tokenizer_dir=plan.models.student_dir,
+            seed=cfg.seed,
+            group_size=cfg.train.group_size,
+            block_samples=cfg.train.batch_size // cfg.pipeline.learner_workers,
+            window=cfg.workload.shuffle_window,
+            max_prompt_tokens=cfg.workload.max_prompt_tokens,
+            skip_ids=skip_ids,
+            read_timeout_s=cfg.pipeline.no_progress_timeout_s,
+        ),
+    )
+
+
 @dataclass(frozen=True)
 class StreamFactory:
     """The run's Ray Data stream, built from the run directory's latest checkpoint.
@@ -251,7 +303,8 @@ class StreamFactory:
     died. It reads the latest complete checkpoint, which is the one the learners will load:
     the PolicyStore's books go back to that checkpoint (``begin_stream``), and the new stream
     leaves out the ledger's samples and numbers its blocks from 0, as the restored learner's
-    admission expects."""
+    admission expects. Prompt files (``plan.prompts``) are streamed (``streamed``: the stream
+    skips the same ledger); a built-in task's blocks are cut here (``prompt_blocks``)."""
 
     plan: RunPlan
     namespace: str
@@ -271,9 +324,14 @@ class StreamFactory:
             skip = checkpoint.load_ledger(ckpt)
         store = PolicyStoreClient.connect(self.namespace, cfg.pipeline.rpc_timeout_s, name=self.store_name)
         stream = store.begin_stream(state)
+        if self.plan.prompts is not None:  # prompt files: streamed by Ray Data, never held here
+            return build_dataset(
+                self.plan, None, self.namespace, self.store_name, stream=stream, skip_ids=skip
+            )
         tokenizer = AutoTokenizer.from_pretrained(self.plan.models.student_dir, local_files_only=True)
         train_ex, _ = load_examples(cfg)
-        blocks = prompt_blocks(cfg, train_ex, tokenizer, self.plan.max_prompt_len, skip)
+        width = cfg.workload.max_prompt_tokens or self.plan.max_prompt_len
+        blocks = prompt_blocks(cfg, train_ex, tokenizer, width, skip)
         return build_dataset(self.plan, blocks, self.namespace, self.store_name, stream=stream)
 
 
@@ -319,11 +377,14 @@ def prepare_run_dir(plan: RunPlan) -> None:
             )
 
 
-def run(cfg: RunConfig | str | Path) -> RunResult:
+def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunResult:
     """Run a whole pipeline; returns the run directory and its summary. See the module docstring.
 
     Raises on failure (``RunAborted`` when the numerics guard stopped it); ``summary.json`` then
-    says ``status: failed`` (or ``aborted``), never a success."""
+    says ``status: failed`` (or ``aborted``), never a success.
+
+    Progress: a row in ``display`` (a caller's ``asyncrl.telemetry.progress.Display``, e.g. a
+    sweep's, one row per run), else in a display of its own (``telemetry.progress``)."""
     apply_env()
     import ray
     from ray.train import DataConfig, FailureConfig, ScalingConfig
@@ -406,8 +467,14 @@ def run(cfg: RunConfig | str | Path) -> RunResult:
             datasets={"train": StreamFactory(plan, namespace, store_name)},
             dataset_config=data_config,
         )
-        marks["fit_at"] = time.time()
-        result = trainer.fit()
+        # the driver owns the progress display: it follows RUN/metrics.jsonl while the run trains
+        start_step = checkpoint.step_of(plan.resume_dir) if plan.resume_dir else 0
+        with (
+            nullcontext(display) if display is not None else Display(enabled=cfg.telemetry.progress) as shown,
+            shown.follow(run_dir, title=run_dir.name, total=cfg.train.steps, start=start_step),
+        ):
+            marks["fit_at"] = time.time()
+            result = trainer.fit()
         if result.error is not None:
             raise result.error
         store_stats = ray.get(store.stats.remote())

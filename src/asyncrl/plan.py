@@ -6,10 +6,12 @@ pipeline would: unknown or mismatched components, estimator/cache/engine pairing
 checkpoints, resources that cannot be satisfied. ``asyncrl.pipeline`` turns a ``RunPlan`` into
 the Ray graph.
 
-The prompt stream: seeded epochs over the training prompts, ``G`` samples per prompt (a group),
-cut into blocks of ``B / W`` samples (one learner worker's share of one rollout batch) with
-``sample_id`` = position in the stream and ``block_index`` = position of the block. Both are
-assigned here, before Ray sees the data, so a run config always yields the same blocks, and a
+The prompt stream (``asyncrl.stream``): seeded epochs over the training prompts, ``G`` samples
+per prompt (a group), cut into blocks of ``B / W`` samples (one learner worker's share of one
+rollout batch) with ``sample_id`` = position in the stream and ``block_index`` = position of
+the block. A built-in task's blocks are cut here, in the driver, before Ray sees the data
+(``prompt_blocks``); prompt files are opened and checked here (``RunPlan.prompts``) and
+streamed by one Ray Data actor. Either way a run config always yields the same blocks, and a
 resumed run removes the samples its ledger says were consumed and generates the rest again.
 """
 
@@ -24,6 +26,8 @@ import numpy as np
 from asyncrl import records as R
 from asyncrl.config import RunConfig
 from asyncrl.configurable import to_dict
+from asyncrl.stream import WIDTH_SAMPLE, BlockCutter
+from asyncrl.workloads.prompts import PromptSource
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,11 @@ class RunPlan:
     controller_specs: list[tuple[str, dict[str, Any]]]
     engine_options: dict[str, Any]
     resume_dir: str | None
-    #: longest training prompt in tokens (the prompt width P of every block); 0 when models=False
+    #: longest training prompt in tokens (the prompt width P of the built-in task's blocks; for
+    #: prompt files, of the rows checked: ``check_prompts``); 0 when models=False
     max_prompt_len: int = 0
+    #: ``workload.prompts_path`` resolved and its schema checked (None: the task's own split)
+    prompts: PromptSource | None = None
 
     @property
     def rl(self) -> bool:
@@ -305,10 +312,15 @@ def check_local_resources(cfg: RunConfig, *, rl: bool) -> None:
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
     """Workers do not share the driver's working directory: make every local path absolute."""
+    w = cfg.workload
     return replace(
         cfg,
         run_dir=str(Path(cfg.run_dir).resolve()),
-        workload=replace(cfg.workload, cache_dir=str(Path(cfg.workload.cache_dir).resolve())),
+        workload=replace(
+            w,
+            cache_dir=str(Path(w.cache_dir).resolve()),
+            prompts_path=str(Path(w.prompts_path).resolve()) if w.prompts_path else None,
+        ),
     )
 
 
@@ -321,7 +333,8 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
     paths = resolve_models(cfg, rl=cfg.algo == "rl") if models else None
     _, kind, opts = check_components(cfg, paths.student_dir if paths else None)
     check_local_resources(cfg, rl=kind is None)
-    max_prompt_len = check_prompts(cfg, paths) if paths else check_prompts(cfg, None)
+    prompts = PromptSource.open(cfg.workload.prompts_path) if cfg.workload.prompts_path else None
+    max_prompt_len = check_prompts(cfg, paths, source=prompts)
     resume = latest(cfg.run_dir) if cfg.pipeline.resume else None
     return RunPlan(
         cfg=cfg,
@@ -332,27 +345,48 @@ def make_plan(cfg: RunConfig, *, models: bool = True) -> RunPlan:
         engine_options=generator_engine_options(cfg),
         resume_dir=str(resume) if resume else None,
         max_prompt_len=max_prompt_len,
+        prompts=prompts,
     )
 
 
 # --- prompts -------------------------------------------------------------------------------------------
-def load_examples(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
-    """Training prompts (the task's split or ``workload.prompts_path``) and held-out eval prompts."""
-    from asyncrl.workloads.tasks import get_task, load_prompts
+def load_examples(cfg: RunConfig) -> tuple[list[Any] | None, list[Any]]:
+    """Training prompts of the task's split (None when ``workload.prompts_path`` streams them
+    instead, ``asyncrl.stream``) and the task's held-out eval prompts."""
+    from asyncrl.workloads.tasks import get_task
 
     task = get_task(cfg.workload.task)
-    if cfg.workload.prompts_path:
-        train = load_prompts(cfg.workload.prompts_path)
-    else:
+    train = None
+    if not cfg.workload.prompts_path:
         train = task.make_examples("train", cfg.workload.train_size, cfg.workload.pretrain_seed)
     evals = task.make_examples("eval", cfg.workload.eval_size, cfg.workload.pretrain_seed)
     return train, evals
 
 
-def check_prompts(cfg: RunConfig, models: ModelPaths | None) -> int:
-    """The prompt source reads and every prompt fits the models' context; returns the longest
-    training prompt in tokens. Without ``models`` only the file itself is checked (it exists,
-    parses, has rows and a ``prompt`` column; errors name the file, the row and the fix)."""
+def stream_blocks(cfg: RunConfig) -> int:
+    """Blocks the stream offers a run: every rollout batch, the ``max_lag`` ahead and a margin,
+    plus a quarter for dropped samples."""
+    tc, pc = cfg.train, cfg.pipeline
+    need = (tc.steps // tc.minibatches + pc.max_lag + 2) * tc.batch_size
+    need = int(need * 1.25) + tc.batch_size
+    return need // (tc.batch_size // pc.learner_workers)
+
+
+def check_prompts(cfg: RunConfig, models: ModelPaths | None, *, source: PromptSource | None = None) -> int:
+    """The prompts read and fit the models' context; returns the longest training prompt in tokens.
+
+    Without ``models`` only the prompts themselves are checked. A prompt file
+    (``workload.prompts_path``, ``source`` if already opened) is opened by ``PromptSource`` (it
+    exists, parses, has rows and a ``prompt`` or ``messages`` column) and its first
+    ``asyncrl.stream.WIDTH_SAMPLE`` rows, in file order, are checked row by row (text, not
+    empty, within the context), as the streamed width is measured: the driver never reads the
+    whole file; the stream checks every row it emits. Errors name the file, the row and the fix.
+    """
+    from asyncrl.workloads import prompts as P
+
+    if cfg.workload.prompts_path and source is None:
+        source = P.PromptSource.open(cfg.workload.prompts_path)
+    head = source.head(WIDTH_SAMPLE) if source is not None else []
     train, evals = load_examples(cfg)
     if models is None:
         return 0
@@ -365,26 +399,34 @@ def check_prompts(cfg: RunConfig, models: ModelPaths | None) -> int:
     dirs = [d for d in (models.student_dir, models.teacher_dir) if d]
     contexts = [c for c in (context_length(d) for d in dirs) if c]
     context = min(contexts) if contexts else None
-    source = f"prompt file {cfg.workload.prompts_path!r}" if cfg.workload.prompts_path else "task prompts"
-    longest = 0
+    # (where, the row numbers, their token counts) as the models are prompted: a chat template's
+    # turn markers count against the context
+    parts: list[tuple[str, str, list[int], list[int]]] = []
+    for file, table, first in head:
+        lengths = [len(ids) for ids in P.prompt_token_ids(table, source.prompt_column, tokenizer, file)]
+        parts.append((f"prompt file {file!r}", "train", list(range(first, first + len(lengths))), lengths))
     for split, examples in (("train", train), ("eval", evals)):
         if not examples:
             continue
         prompts = [e.prompt for e in examples]
         empty = next((i for i, p in enumerate(prompts) if not p.strip()), None)
         if empty is not None:
-            raise ValueError(f"{source}: {split} row {empty} is an empty prompt; remove empty prompts")
-        # as the models are prompted (a chat template's turn markers count against the context)
+            raise ValueError(f"task prompts: {split} row {empty} is an empty prompt; remove empty prompts")
         lengths = [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
+        parts.append(("task prompts", split, list(range(len(lengths))), lengths))
+    longest = 0
+    for where, split, rows, lengths in parts:
+        if not lengths:
+            continue
         i = int(np.argmax(lengths))
         if context is not None and lengths[i] + cfg.sampling.max_new_tokens > context:
             raise ValueError(
-                f"{source}: {split} row {i} has {lengths[i]} tokens + sampling.max_new_tokens="
+                f"{where}: {split} row {rows[i]} has {lengths[i]} tokens + sampling.max_new_tokens="
                 f"{cfg.sampling.max_new_tokens} > the models' context of {context} tokens "
                 f"(max_position_embeddings); shorten the prompt or lower sampling.max_new_tokens"
             )
         if split == "train":
-            longest = lengths[i]
+            longest = max(longest, lengths[i])
     return longest
 
 
@@ -395,42 +437,26 @@ def prompt_blocks(
     max_prompt_len: int,
     skip_ids: np.ndarray | None = None,
 ) -> list[dict[str, np.ndarray]]:
-    """One block per learner worker per rollout batch: seeded epochs, groups of G, ids and block
-    indices assigned before Ray sees them (see the module docstring)."""
+    """The built-in task's blocks, cut in the driver: epoch ``e`` is ``rng([seed, e])``'s
+    permutation of ``examples`` (see ``asyncrl.stream`` for ids, groups and blocks)."""
     from asyncrl.workloads.tasks import encode_prompts
 
     tc, pc = cfg.train, cfg.pipeline
-    G = tc.group_size
     local = tc.batch_size // pc.learner_workers
-    rollouts = tc.steps // tc.minibatches
-    need = (rollouts + pc.max_lag + 2) * tc.batch_size
-    need = int(need * 1.25) + tc.batch_size  # headroom for dropped samples
+    n_rows = -(-stream_blocks(cfg) * local // tc.group_size)
     order: list[int] = []
     epoch = 0
-    while len(order) * G < need:
+    while len(order) < n_rows:
         rng = np.random.default_rng([cfg.seed, epoch])
         order.extend(rng.permutation(len(examples)).tolist())
         epoch += 1
-    prompts = [examples[i].prompt for i in order]
-    ids, mask = encode_prompts(tokenizer, prompts, max_prompt_len)
-    ids, mask = ids.numpy(), mask.numpy()
-    n_prompts = len(order)
-    group = np.repeat(np.arange(n_prompts), G)
+    ids, mask = encode_prompts(tokenizer, [examples[i].prompt for i in order], max_prompt_len)
     rows = {
-        R.PROMPT_IDS: np.repeat(ids, G, axis=0),
-        R.PROMPT_MASK: np.repeat(mask, G, axis=0),
-        "answer": np.repeat(np.asarray([examples[i].answer for i in order], dtype=object), G),
-        R.PROMPT_ID: np.repeat(np.asarray([examples[i].prompt_id for i in order], dtype=np.int64), G),
-        R.GROUP_ID: group.astype(np.int64),
-        R.SAMPLE_ID: np.arange(n_prompts * G, dtype=np.int64),
+        R.PROMPT_IDS: ids.numpy(),
+        R.PROMPT_MASK: mask.numpy(),
+        R.ANSWER: np.asarray([examples[i].answer for i in order], dtype=object),
+        R.PROMPT_ID: np.asarray([examples[i].prompt_id for i in order], dtype=np.int64),
     }
-    if skip_ids is not None and len(skip_ids):
-        keep = ~np.isin(rows[R.SAMPLE_ID], skip_ids)
-        rows = {k: v[keep] for k, v in rows.items()}
-    n_blocks = len(rows[R.SAMPLE_ID]) // local
-    blocks = []
-    for b in range(n_blocks):
-        block = {k: v[b * local : (b + 1) * local] for k, v in rows.items()}
-        block[R.BLOCK_INDEX] = np.full(local, b, dtype=np.int64)
-        blocks.append(block)
-    return blocks
+    cutter = BlockCutter(tc.group_size, local, skip_ids)
+    cutter.add(rows, np.arange(len(order), dtype=np.int64))
+    return list(cutter.blocks())

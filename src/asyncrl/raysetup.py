@@ -57,8 +57,11 @@ RAY_ENV = {
 
 
 def apply_env() -> None:
-    """Set ``RAY_ENV`` in this process where unset (called by entry points, never at import)."""
-    for key, value in RAY_ENV.items():
+    """Set ``RAY_ENV`` (and, unless verbose, ``asyncrl.telemetry.console.quiet_env``) in this
+    process where unset (called by entry points, never at import)."""
+    from asyncrl.telemetry.console import quiet_env
+
+    for key, value in {**RAY_ENV, **quiet_env()}.items():
         os.environ.setdefault(key, value)
 
 
@@ -160,10 +163,16 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+#: environment of Ray's worker processes only: a worker is always connected, so it must never
+#: auto-start a Ray instance of its own (Ray Data's clean-up in a worker that is shutting down
+#: calls Ray APIs after the disconnect, and auto-init then starts a local cluster in that process)
+WORKER_ENV = {"RAY_ENABLE_AUTO_CONNECT": "0"}
+
+
 def runtime_env(env_vars: dict[str, str], tick_s: float | None = DEFAULT_TICK_S) -> dict:
-    """The ``runtime_env`` asyncrl starts Ray with: env vars plus the executor patch hook
-    (none when ``tick_s`` is None: Ray's own loop)."""
-    env = dict(env_vars)
+    """The ``runtime_env`` asyncrl starts Ray with: env vars and ``WORKER_ENV`` plus the executor
+    patch hook (none when ``tick_s`` is None: Ray's own loop)."""
+    env = {**env_vars, **WORKER_ENV}
     if tick_s is None:
         return {"env_vars": env}
     env[TICK_ENV] = str(tick_s)

@@ -46,6 +46,10 @@ VERSION_FIRST = "version_first"
 VERSION_LAST = "version_last"
 #: position of a sample's input block in the prompt stream (admission and consumption order)
 BLOCK_INDEX = "block_index"
+#: non-tensor columns of a prompt row: the reference answer (a string) and, for prompt files, the
+#: row's other columns as one JSON object string, both for the reward (asyncrl.workloads.prompts)
+ANSWER = "answer"
+METADATA = "metadata"
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,7 @@ def validate_batch(
 
 
 def _as_tensor(x: Any) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(_writable(np.asarray(x)))
 
 
 # --- alignment ------------------------------------------------------------------------------
@@ -241,6 +245,17 @@ def to_numpy(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return out
 
 
+def _writable(arr: np.ndarray) -> np.ndarray:
+    """``arr``, or a copy of it if read-only: Ray Data hands out zero-copy views of its object
+    store, and a tensor over read-only memory is undefined behaviour on write (torch warns)."""
+    return arr if arr.flags.writeable else arr.copy()
+
+
+def writable(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """A batch whose numpy arrays may back tensors (read-only ones copied, see ``_writable``)."""
+    return {k: _writable(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+
 def to_torch(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """numpy batch (as yielded by Ray Data) -> dict of torch tensors; masks become bool."""
     out = {}
@@ -248,7 +263,7 @@ def to_torch(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         arr = np.asarray(v)
         if arr.dtype == object:
             arr = np.stack([np.asarray(x) for x in arr])
-        t = torch.from_numpy(np.ascontiguousarray(arr))
+        t = torch.from_numpy(_writable(np.ascontiguousarray(arr)))
         if k.endswith("_mask"):
             t = t.bool()
         out[k] = t

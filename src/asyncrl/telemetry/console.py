@@ -1,0 +1,151 @@
+"""What reaches the user's terminal: the verbosity switch and the filter on Ray's log forwarding.
+
+A run's terminal should show asyncrl's own progress and every real problem, not Ray's
+bookkeeping. By default (``-v`` / ``ASYNCRL_VERBOSE=1`` turns all of this off):
+
+* every process of a run gets ``HF_HUB_DISABLE_PROGRESS_BARS=1`` (``quiet_env``): no
+  per-process "Loading weights" / "Writing model shards" tqdm bars;
+* the driver's ``ray`` logger logs warnings and errors only (no "Started a local Ray instance");
+* the lines Ray forwards from worker processes pass ``is_noise``: a line is dropped only when
+  it matches one of ``NOISE`` (known-harmless messages, each with the reason it is harmless),
+  or when it comes from one of Ray's own bookkeeping actors (``RAY_INTERNAL``) and does not
+  look like a problem (``ALARM``). Anything else, in particular a traceback or a warning from
+  asyncrl's actors and workers, is printed as Ray prints it.
+
+The filter replaces Ray's handler on its driver-side stream dispatcher
+(``ray._private.ray_logging.global_worker_stdstream_dispatcher``, Ray 2.60); a Ray without it
+fails loudly rather than silently printing everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+VERBOSE_ENV = "ASYNCRL_VERBOSE"
+#: Ray's handler name on the dispatcher (ray._private.worker.connect)
+RAY_HANDLER = "ray_print_logs"
+FILTER_HANDLER = "asyncrl_print_logs"
+
+
+def set_verbose(verbose: bool) -> None:
+    """Set the switch for this process and every process it starts (an environment variable)."""
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    else:
+        os.environ.pop(VERBOSE_ENV, None)
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def quiet_env() -> dict[str, str]:
+    """Environment of every process of a run at the default verbosity: no hub/transformers tqdm
+    bars (read when ``transformers`` is imported, so set before that)."""
+    return {} if verbose() else {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def ray_logging_level() -> int:
+    """Level of the driver's ``ray`` logger (``ray.init(logging_level=...)``)."""
+    return logging.INFO if verbose() else logging.WARNING
+
+
+@dataclass(frozen=True)
+class Noise:
+    """A known-harmless forwarded line: ``pattern`` (searched), from ``source`` if given, and why."""
+
+    pattern: str
+    why: str
+    source: str | None = None
+
+    def matches(self, line: str, source: str) -> bool:
+        return (self.source is None or self.source in source) and re.search(self.pattern, line) is not None
+
+
+NOISE: tuple[Noise, ...] = (
+    Noise(
+        r"has constructor arguments in the object store and max_restarts > 0",
+        "logged at E level by every restartable actor Ray Data and Ray Train create; only matters "
+        "if the object store loses the arguments, which then fails the restart loudly",
+    ),
+    Noise(
+        r"PYTHON worker processes have been started",
+        "raylet notice when many actors start at once (each stage's actors start together)",
+    ),
+    Noise(r"RayDeprecationWarning", "Ray Data warns about its own internal use of deprecated options"),
+    Noise(r"^\s*self\.exclude_resources = exclude_resources", "the source line of that warning"),
+    Noise(r"(Loading weights|Writing model shards|Loading checkpoint shards):", "per-process tqdm bars"),
+    Noise(r"Checkpoint successfully created at", "Ray Train's note per checkpoint (asyncrl reports its own)"),
+    Noise(r"Reporting training result \d+", "Ray Train's note per report"),
+    Noise(r"Dataset \S+ execution finished in", "Ray Data's note when the stream ends"),
+    Noise(r"Progress bars disabled\. To enable", "Ray Data's note (asyncrl disables them on purpose)"),
+    Noise(r"Registered dataset logger|Starting execution of Dataset|Execution plan of Dataset", "Ray Data"),
+    Noise(r"Setting up process group for: env://", "Ray Train's note per worker"),
+    Noise(
+        r"There are infinite retries remaining, so the task will be retried\. Error: The actor is dead "
+        r"because it was killed by `ray\.kill`",
+        "the stream's actors are killed when a run ends; a task queued on one is retried, never run",
+    ),
+)
+
+#: Ray's own bookkeeping actors: their notes are hidden unless they look like a problem
+RAY_INTERNAL = ("TrainController", "PlacementGroupCleaner", "DatasetManager", "SplitCoordinator", "raylet")
+#: what a problem looks like (a traceback, a warning or error level, a failure, a dead process)
+ALARM = re.compile(
+    r"Traceback|Error|Exception|WARNING|Warning|\bFATAL\b|[Ff]ail|\] E |\bdied\b|[Kk]illed|[Cc]rash|"
+    r"\bOOM\b|[Oo]ut of memory|[Uu]nexpected"
+)
+#: Ray Train's PlacementGroupCleaner polls the State API, which needs Ray's full dashboard (not
+#: installed: ray[default]); it logs each failed poll, and a traceback when several Ray clusters
+#: run on one machine. It only cleans up after a crashed controller; runs do not depend on it.
+CLEANER = "PlacementGroupCleaner"
+
+
+def source_of(data: dict[str, Any]) -> str:
+    """Who printed a forwarded batch: actor or task name, else the pid (``raylet``, ``autoscaler``)."""
+    return str(data.get("actor_name") or data.get("task_name") or data.get("pid") or "")
+
+
+def is_noise(line: str, source: str) -> bool:
+    """True for a known-harmless line (see the module docstring); never for an unknown problem."""
+    if any(n.matches(line, source) for n in NOISE):
+        return True
+    if CLEANER in source:
+        return True
+    return any(name in source for name in RAY_INTERNAL) and ALARM.search(line) is None
+
+
+def keep_lines(lines: Iterable[str], source: str) -> list[str]:
+    """The lines of one forwarded batch that are printed at the default verbosity."""
+    return [line for line in lines if not is_noise(line, source)]
+
+
+def install_log_filter() -> bool:
+    """Filter the driver's forwarding of worker logs (call after ``ray.init``); False when verbose
+    (Ray prints everything). Idempotent."""
+    if verbose():
+        return False
+    from ray._private import worker as ray_worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    if not hasattr(ray_worker, "print_to_stdstream"):
+        raise RuntimeError("this Ray version has no print_to_stdstream; pin ray==2.60.0 or run with -v")
+    names = [name for name, _ in dispatcher.handlers]
+    if RAY_HANDLER not in names:  # filtered already, or Ray does not forward logs (log_to_driver=False)
+        return FILTER_HANDLER in names
+    dispatcher.remove_handler(FILTER_HANDLER)  # one left from an earlier ray.init in this process
+    ignore_prefix = ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker)
+
+    def forward(data: dict[str, Any]) -> None:
+        lines = keep_lines(data.get("lines", []), source_of(data))
+        if lines:
+            ray_worker.print_to_stdstream({**data, "lines": lines}, ignore_prefix=ignore_prefix)
+
+    dispatcher.remove_handler(RAY_HANDLER)
+    dispatcher.add_handler(FILTER_HANDLER, forward)
+    return True

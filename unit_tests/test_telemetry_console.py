@@ -1,0 +1,122 @@
+"""The terminal filter: Ray's known-harmless lines are hidden by default, real problems never,
+and ``-v`` shows everything. Lines below are copied from a real ``asyncrl demo`` run."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.telemetry import console
+
+HARMLESS = [
+    (
+        "TrainController",
+        "[2026-12-01 03:06:07,669 E 8126 8260] core_worker.cc:2465: Actor with class name: "
+        "'PreemptionWatcher' and ID: '154f1f49a088108686c2761101000000' has constructor arguments in "
+        "the object store and "
+        "max_restarts > 0. If the arguments in the object store go out of scope or are lost, the actor "
+        "restart will fail. See https://github.com/ray-project/ray/issues/53727 for more details.",
+    ),
+    (
+        "RayTrainWorker",
+        "[2026-12-01 03:06:13,785 E 8459 8640] core_worker.cc:2465: Actor with class name: "
+        "'MapWorker(MapBatches(Generate))' and ID: '2e42' has constructor arguments in the object store "
+        "and max_restarts > 0.",
+    ),
+    (
+        "PlacementGroupCleaner",
+        "Failed to query Ray Train Controller actor state. State API may be temporarily",
+    ),
+    ("PlacementGroupCleaner", "Exception in thread PlacementGroupCleanerMonitor:"),
+    ("PlacementGroupCleaner", "ConnectionError: Found multiple active Ray instances: {'a', 'b'}."),
+    ("TrainController", "Requesting resources: {'CPU': 0.5} * 1"),
+    ("TrainController", "Started training worker group of size 1: "),
+    ("TrainController", "- (ip=192.0.2.2, pid=8459) world_rank=0, local_rank=0, node_rank=0"),
+    ("raylet", "WARNING: 8 PYTHON worker processes have been started on node: abc with address: 1.2.3.4."),
+    (
+        "DatasetManager",
+        "/x/ray/data/_internal/execution/interfaces/execution_options.py:436: RayDeprecationWarning: "
+        "`ExecutionOptions.exclude_resources` is deprecated and will be removed after January 2027.",
+    ),
+    ("DatasetManager", "  self.exclude_resources = exclude_resources"),
+    ("RayTrainWorker", "Loading weights:   0%|          | 0/21 [00:00<?, ?it/s]Loading weights: 100%|"),
+    ("RayTrainWorker", "Writing model shards: 100%|##########| 1/1 [00:00<00:00, 239.35it/s]"),
+    ("RayTrainWorker", "Setting up process group for: env:// [rank=0, world_size=1]"),
+    ("RayTrainWorker", "Progress bars disabled. To enable, set `ray.data.DataContext...`"),
+    (
+        "RayTrainWorker",
+        "Checkpoint successfully created at: Checkpoint(filesystem=local, path=/x/step_000004)",
+    ),
+    ("RayTrainWorker", "Reporting training result 1: TrainingReport(checkpoint=..., metrics={'step': 4})"),
+    ("RayTrainWorker", "✔️  Dataset train_0356uR0Nz9iGIZtVYKRJyt_0 execution finished in 14.86 seconds"),
+    (
+        "raylet",
+        "Task MapWorker(MapBatches(Generate)).submit failed. There are infinite retries remaining, so the "
+        "task will be retried. Error: The actor is dead because it was killed by `ray.kill`.",
+    ),
+]
+
+REAL = [
+    ("RayTrainWorker", "Traceback (most recent call last):"),
+    ("RayTrainWorker", "RuntimeError: fault injected at step 2 (pipeline fail_at_step)"),
+    (
+        "MapWorker(MapBatches(Generate))",
+        "asyncrl: rollout engine died (CUDA OOM); restarting this generator actor",
+    ),
+    ("MapWorker(MapBatches(StreamBlocks))", "asyncrl: warning: skipped a prompt of 612 tokens"),
+    ("RayTrainWorker", "/x/asyncrl/step.py:10: UserWarning: something the user must see"),
+    ("TrainController", "Training failed due to worker errors: RuntimeError: boom"),
+    ("raylet", "A worker died or was killed while executing a task by an unexpected system error."),
+    ("DatasetManager", "ERROR: the stream failed"),
+]
+
+
+@pytest.mark.parametrize(("source", "line"), HARMLESS)
+def test_known_harmless_lines_are_noise(source: str, line: str) -> None:
+    assert console.is_noise(line, source)
+
+
+@pytest.mark.parametrize(("source", "line"), REAL)
+def test_real_problems_are_never_noise(source: str, line: str) -> None:
+    assert not console.is_noise(line, source)
+
+
+def test_every_noise_rule_says_why() -> None:
+    assert all(n.why for n in console.NOISE)
+
+
+def test_verbose_switch_and_quiet_env(monkeypatch) -> None:
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    assert not console.verbose()
+    assert console.quiet_env() == {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    console.set_verbose(True)
+    assert console.verbose() and console.quiet_env() == {}
+    console.set_verbose(False)
+    assert not console.verbose()
+
+
+def test_the_filter_replaces_rays_handler_and_forwards_real_lines(monkeypatch) -> None:
+    pytest.importorskip("ray")
+    from ray._private import worker as ray_worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    printed: list[list[str]] = []
+    monkeypatch.setattr(
+        ray_worker, "print_to_stdstream", lambda data, ignore_prefix: printed.append(data["lines"])
+    )
+    monkeypatch.setattr(dispatcher, "handlers", [(console.RAY_HANDLER, lambda data: printed.append(["raw"]))])
+    assert console.install_log_filter()
+    assert [name for name, _ in dispatcher.handlers] == [console.FILTER_HANDLER]
+    dispatcher.emit({"lines": [line for _, line in HARMLESS[-3:]], "actor_name": "RayTrainWorker", "pid": 1})
+    assert printed == []  # an all-noise batch prints nothing
+    dispatcher.emit({"lines": [HARMLESS[11][1], REAL[1][1]], "actor_name": "RayTrainWorker", "pid": 1})
+    assert printed == [[REAL[1][1]]]
+    # a second ray.init in the same process (the demo runs two pipelines) adds Ray's handler again
+    dispatcher.add_handler(console.RAY_HANDLER, lambda data: printed.append(["raw"]))
+    assert console.install_log_filter()
+    assert [name for name, _ in dispatcher.handlers] == [console.FILTER_HANDLER]
+    console.set_verbose(True)
+    monkeypatch.setattr(dispatcher, "handlers", [(console.RAY_HANDLER, None)])
+    assert not console.install_log_filter()  # -v: Ray prints everything
+    assert [name for name, _ in dispatcher.handlers] == [console.RAY_HANDLER]
+    console.set_verbose(False)
