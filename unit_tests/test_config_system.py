@@ -223,7 +223,7 @@ def test_max_new_tokens_auto_uses_the_student_tokenizer(tmp_path: Path) -> None:
     qwen_tokenizer().save_pretrained(tmp_path / "student")
     cfg = load_config(None, ["workload.task=running_sum", f"workload.student_path={tmp_path / 'student'}"])
     assert cfg.sampling.max_new_tokens == 33
-    with pytest.raises(FileNotFoundError, match=r"student_path.*sampling\.max_new_tokens"):
+    with pytest.raises(ConfigError, match=r"student_path.*sampling\.max_new_tokens"):
         load_config(None, [f"workload.student_path={tmp_path / 'missing'}"])
 
 

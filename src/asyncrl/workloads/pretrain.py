@@ -101,7 +101,7 @@ def workload_tokenizer(
     from transformers import AutoTokenizer
 
     if student_path is not None:
-        return _load_tokenizer(Path(student_path), "workload.student_path")
+        return _load_tokenizer(student_path, "workload.student_path")
     task_name = get_task(task).name
     preset_obj = get_preset(preset)
     student = run_dir_for(task_name, preset_obj.name, seed, cache_dir) / "student"
@@ -110,15 +110,28 @@ def workload_tokenizer(
     return TOKENIZERS.get(preset_obj.tokenizer).build()
 
 
-def _load_tokenizer(path: Path, what: str) -> Any:
+def _load_tokenizer(path: str | Path, what: str) -> Any:
+    """``path``'s tokenizer; a path that is not a directory with tokenizer files is a ConfigError
+    naming the field (``what``) and the fix."""
     from transformers import AutoTokenizer
 
+    from asyncrl.configurable import ConfigError
+
+    if not str(path).strip() or not Path(path).is_dir():
+        raise ConfigError(
+            what,
+            str(path),
+            "not a directory; give a checkpoint directory saved with save_pretrained, or set "
+            "sampling.max_new_tokens to a number",
+        )
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
-        raise FileNotFoundError(
-            f"{what} {str(path)!r} has no loadable tokenizer ({' '.join(str(err).split())[:120]}); "
-            f"save one there with tokenizer.save_pretrained(dir), or set sampling.max_new_tokens to a number"
+        raise ConfigError(
+            what,
+            str(path),
+            f"no loadable tokenizer ({' '.join(str(err).split())[:120]}); save one there with "
+            f"tokenizer.save_pretrained(dir), or set sampling.max_new_tokens to a number",
         ) from err
 
 
