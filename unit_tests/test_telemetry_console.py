@@ -120,3 +120,25 @@ def test_the_filter_replaces_rays_handler_and_forwards_real_lines(monkeypatch) -
     assert not console.install_log_filter()  # -v: Ray prints everything
     assert [name for name, _ in dispatcher.handlers] == [console.RAY_HANDLER]
     console.set_verbose(False)
+
+
+def test_error_messages_printed_directly_by_ray_are_filtered_too(monkeypatch) -> None:
+    """The GCS error subscriber calls ``print_to_stdstream`` itself, bypassing the dispatcher."""
+    import types
+
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    printed: list[list[str]] = []
+    fake = types.SimpleNamespace(print_to_stdstream=lambda data, ignore_prefix: printed.append(data["lines"]))
+    console._filter_error_messages(fake)
+    console._filter_error_messages(fake)  # once per process: not wrapped twice
+    retried = (
+        "Task MapWorker(MapBatches(Generate)).submit failed. There are infinite retries remaining, so the "
+        "task will be retried. Error: The actor is dead because it was killed by `ray.kill`."
+    )
+    fake.print_to_stdstream({"lines": [retried], "pid": "raylet"}, ignore_prefix=False)
+    real = "Task MapWorker(MapBatches(Generate)).submit failed. Error: The actor died unexpectedly (OOM)"
+    fake.print_to_stdstream({"lines": [real], "pid": "raylet"}, ignore_prefix=False)
+    assert printed == [[real]]
+    monkeypatch.setenv(console.VERBOSE_ENV, "1")  # -v: everything
+    fake.print_to_stdstream({"lines": [retried], "pid": "raylet"}, ignore_prefix=False)
+    assert printed[-1] == [retried]

@@ -162,6 +162,10 @@ def configure_data_context(cfg: RunConfig) -> None:
     ctx.execution_no_progress_timeout_s = cfg.pipeline.no_progress_timeout_s
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+    # a generator whose admission ends with the run returns a zero-row block, and Arrow cannot type
+    # a zero-row 2-D column, so Ray falls back to its object column for that (empty) block: Ray's
+    # default, made explicit here so it is not logged as a conversion failure on every run
+    ctx.enable_fallback_to_arrow_object_ext_type = True
 
 
 def faults_of(cfg: RunConfig) -> Faults:

@@ -148,4 +148,25 @@ def install_log_filter() -> bool:
 
     dispatcher.remove_handler(RAY_HANDLER)
     dispatcher.add_handler(FILTER_HANDLER, forward)
+    _filter_error_messages(ray_worker)
     return True
+
+
+def _filter_error_messages(ray_worker: Any) -> None:
+    """The driver's GCS error subscriber (``listen_error_messages``: e.g. the raylet's "task ... will
+    be retried" notes) prints through ``print_to_stdstream`` directly, not through the dispatcher:
+    wrap that function with the same filter (once per process)."""
+    original = ray_worker.print_to_stdstream
+    if getattr(original, "_asyncrl_filtered", False):
+        return
+
+    def filtered(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if verbose():
+            original(data, ignore_prefix)
+            return
+        lines = keep_lines(data.get("lines", []), source_of(data))
+        if lines:
+            original({**data, "lines": lines}, ignore_prefix)
+
+    filtered._asyncrl_filtered = True  # type: ignore[attr-defined]
+    ray_worker.print_to_stdstream = filtered
