@@ -41,6 +41,7 @@ def losses(run_dir) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
 
 
+@pytest.mark.slow  # CI runs the lock-step parity + resume test below; this one with -m slow
 def test_zero2_two_workers_crash_and_resume(ray_local, tiny_pair, tmp_path):
     run_dir = tmp_path / "zero2"
     args = (

@@ -55,6 +55,7 @@ def assert_complete_and_exact(result, *, max_lag: int = 1) -> None:
     )
 
 
+@pytest.mark.slow  # CI runs the soak, which injects every fault kind (and a driver kill) in one run
 def test_every_in_run_fault_at_once(ray_local, tiny_pair, tmp_path):
     """A generator, the scorer and the learner die, and one step's loss is NaN, in one run."""
     cfg = tiny_config(
@@ -141,8 +142,11 @@ def env() -> dict[str, str]:
 
 
 def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path):
-    """The whole ``asyncrl run`` process group is killed after step 4 (checkpoint at 3); the same
-    command resumes, and the draws of the killed process are in the ledger as regenerated."""
+    """The whole ``asyncrl run`` process group is killed once step 4 is logged (checkpoints every 3
+    steps; on a quiet machine a few more steps may be done by the time the kill lands, so the run is
+    12 steps long and the test reads which checkpoint the kill left); the same command resumes from
+    it, and the draws of the killed process are in the ledger as regenerated."""
+    steps = 12
     run_dir = tmp_path / "driver"
     argv = [
         sys.executable,
@@ -155,6 +159,7 @@ def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path)
         f"workload.cache_dir={CACHE}",
         "telemetry.tensorboard=false",
         *BASE,
+        f"train.steps={steps}",
     ]
     proc = subprocess.Popen(argv, env=env(), start_new_session=True, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -167,15 +172,16 @@ def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert read_summary(run_dir) is None  # a killed run claims nothing
-    assert checkpoint.step_of(checkpoint.latest(run_dir)) == 3
+    resumed_from = checkpoint.step_of(checkpoint.latest(run_dir))
+    assert resumed_from % 3 == 0 and 3 <= resumed_from < steps, resumed_from
     done = subprocess.run(argv, env=env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     s = read_summary(run_dir)
     assert s["status"] == "completed" and s["driver_resumes"] == 1 and s["ledger_balanced"], s
     samples = read_samples(run_dir)
-    assert samples["sample_id"].is_unique and int(samples["kept"].sum()) == STEPS * 16
-    assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
-    assert s["samples_regenerated"] >= 16  # at least step 4's batch, trained by the killed driver
+    assert samples["sample_id"].is_unique and int(samples["kept"].sum()) == steps * 16
+    assert sorted(losses(run_dir)) == list(range(1, steps + 1))
+    assert s["samples_regenerated"] >= 16  # draws after the checkpoint: trained or in flight when killed
 
 
 def test_soak_two_minutes(tiny_pair, tmp_path):
