@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import string
 from pathlib import Path
@@ -128,7 +129,8 @@ def test_wrong_types_and_out_of_range_values_name_the_field(key: str, value: str
         text = str(err)
         assert "\n" not in text and text.startswith("config field ")
         # the field named is the one overridden, or (cross-field checks) a field of its section
-        assert err.field.split(".")[0] == key.split(".")[0], (key, text)
+        # (an item of a list field is named with its index: controllers[0])
+        assert re.split(r"[.\[]", err.field)[0] == key.split(".")[0], (key, text)
     except ValueError as err:  # a component's own check (estimator/controller options, tasks)
         assert "\n" not in str(err)
 

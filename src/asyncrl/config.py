@@ -378,7 +378,7 @@ def resolve_components(cfg: RunConfig) -> None:
     """Fail at load time on unknown component names or options (nearest name suggested)."""
     from asyncrl import caches, controllers, engines, estimators
     from asyncrl.registry import RegistryError
-    from asyncrl.workloads import tasks
+    from asyncrl.workloads import presets, tasks
 
     def _try(fieldname: str, fn, value: Any) -> None:
         try:
@@ -394,6 +394,7 @@ def resolve_components(cfg: RunConfig) -> None:
     if cfg.cache.kind != "auto":
         _try("cache.kind", lambda: caches.CACHES.get(cfg.cache.kind), cfg.cache.kind)
     _try("workload.task", lambda: tasks.TASKS.get(cfg.workload.task), cfg.workload.task)
+    _try("workload.preset", lambda: presets.get_preset(cfg.workload.preset), cfg.workload.preset)
     _try("pipeline.engine", lambda: engines.ENGINES.get(cfg.pipeline.engine), cfg.pipeline.engine)
 
 
