@@ -141,10 +141,13 @@ def install_log_filter() -> bool:
     dispatcher.remove_handler(FILTER_HANDLER)  # one left from an earlier ray.init in this process
     ignore_prefix = ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker)
 
+    # Ray's own printer (not the filtering wrapper below, which would filter every line twice)
+    printer = getattr(ray_worker.print_to_stdstream, "__wrapped__", ray_worker.print_to_stdstream)
+
     def forward(data: dict[str, Any]) -> None:
         lines = keep_lines(data.get("lines", []), source_of(data))
         if lines:
-            ray_worker.print_to_stdstream({**data, "lines": lines}, ignore_prefix=ignore_prefix)
+            printer({**data, "lines": lines}, ignore_prefix=ignore_prefix)
 
     dispatcher.remove_handler(RAY_HANDLER)
     dispatcher.add_handler(FILTER_HANDLER, forward)
@@ -157,7 +160,7 @@ def _filter_error_messages(ray_worker: Any) -> None:
     be retried" notes) prints through ``print_to_stdstream`` directly, not through the dispatcher:
     wrap that function with the same filter (once per process)."""
     original = ray_worker.print_to_stdstream
-    if getattr(original, "_asyncrl_filtered", False):
+    if hasattr(original, "__wrapped__"):  # wrapped already
         return
 
     def filtered(data: dict[str, Any], ignore_prefix: bool) -> None:
@@ -168,5 +171,5 @@ def _filter_error_messages(ray_worker: Any) -> None:
         if lines:
             original({**data, "lines": lines}, ignore_prefix)
 
-    filtered._asyncrl_filtered = True  # type: ignore[attr-defined]
+    filtered.__wrapped__ = original  # type: ignore[attr-defined]
     ray_worker.print_to_stdstream = filtered
