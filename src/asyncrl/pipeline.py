@@ -195,11 +195,9 @@ def build_dataset(
     faults = faults_of(cfg)
     configure_data_context(cfg)
     local = cfg.train.batch_size // pc.learner_workers
-    ds = (
-        ray.data.from_arrow([_to_arrow(b) for b in blocks])
-        if blocks is not None
-        else streamed(plan, skip_ids)
-    )
+    # from_blocks: each block's metadata is computed here, in the driver; from_arrow would run one
+    # Ray task per block for it (hundreds at start-up, competing with the stage actors' start)
+    ds = ray.data.from_blocks([_to_arrow(b) for b in blocks]) if blocks is not None else streamed(plan, skip_ids)
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     generate = dict(

@@ -15,7 +15,7 @@ its stream at block 0). ``BlockCutter`` does this for both sources below.
 
 * A built-in task (in memory, the demo path): the driver permutes the split with
   ``rng([seed, e])`` and cuts every block before Ray starts (``asyncrl.plan.prompt_blocks``):
-  a Ray Data ``from_arrow`` source, no extra actor.
+  a Ray Data ``from_blocks`` source (metadata computed in the driver), no extra actor.
 * Prompt files (``workload.prompts_path``, ``asyncrl.workloads.prompts``), streamed: the
   driver holds no prompt. Epoch ``e`` reads the files in the order
   ``rng([seed, e]).permutation(n_files)``, each front to back, and permutes the rows within
