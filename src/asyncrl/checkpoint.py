@@ -34,10 +34,14 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from asyncrl.collectives import Collectives
+    from asyncrl.step import NumericsGuard, StepParts
 
 STATE_FILE = "asyncrl_state.json"
 TRAINER_STATE = "trainer_state"  # + .json / .safetensors
@@ -339,7 +343,7 @@ class Checkpointer:
     every rank writes its part (``save``) and reports it to Ray Train, which copies the parts into
     one ``step_<v>`` folder of the run's checkpoints. Every rank calls ``save``."""
 
-    def __init__(self, comm: Any, *, every: int, steps: int, version: int) -> None:
+    def __init__(self, comm: Collectives, *, every: int, steps: int, version: int) -> None:
         self.comm = comm
         self.every = every
         self.steps = steps
@@ -353,14 +357,14 @@ class Checkpointer:
     def save(
         self,
         version: int,
-        parts: Any,
+        parts: StepParts,
         ledger: list[np.ndarray],
         counters: dict[str, int],
         coordinator_state: dict[str, Any] | None,
         *,
         aborted: bool = False,
     ) -> None:
-        """Checkpoint ``parts`` (a ``StepParts``) and the books at ``version``; rank 0 passes the
+        """Checkpoint ``parts`` and the books at ``version``; rank 0 passes the
         coordinator's. ``aborted``: the numerics guard's, whose skipped samples enter the ledger as
         dropped; at the version of the latest checkpoint it goes to ``step_<v>_aborted`` beside it."""
         import tempfile
@@ -392,7 +396,7 @@ class Checkpointer:
         self.last = version
 
 
-def write_abort(run_dir: str | Path, guard: Any) -> None:
+def write_abort(run_dir: str | Path, guard: NumericsGuard) -> None:
     """Leave why the numerics guard (a tripped ``asyncrl.step.NumericsGuard``) stopped the run, and
     where its checkpoint is, for the driver (``RUN/abort.json``); call it once the checkpoint is saved."""
     message = guard.message(latest(run_dir))

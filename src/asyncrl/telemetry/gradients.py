@@ -49,7 +49,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -60,6 +60,9 @@ from asyncrl.estimators.token_loss import reduce_loss, reduction_count
 from asyncrl.step import sample_info
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.staleness import LAG_BUCKETS, lag_bucket_index
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
 
 __all__ = [
     "ESTIMANDS",
@@ -322,7 +325,7 @@ class LearnerGradients:
     (``telemetry.grad_reference: dense``) before a step and the trace (``telemetry.grad_cos_prev``)
     after it; each is off unless configured, both on the other ranks (``rank0=False``)."""
 
-    def __init__(self, cfg: Any, model: torch.nn.Module, estimator: Any, *, rank0: bool) -> None:
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, estimator: Any, *, rank0: bool) -> None:
         """``cfg``: the ``RunConfig`` (its ``telemetry`` switches, the sampling temperature)."""
         tel = cfg.telemetry
         dense = tel.grad_reference == "dense" and rank0

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from asyncrl import records as R
+from asyncrl.collectives import Collectives
 from asyncrl.controllers.functional import ess_fraction
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.staleness import per_bucket
+
+if TYPE_CHECKING:
+    from asyncrl.checkpoint import Restored
+    from asyncrl.learner import LearnerSpec
 
 #: bookkeeping and timing columns copied from the batch into samples.parquet when present: the
 #: block's position in the stream, the learner version at its admission and the version the
@@ -142,7 +147,9 @@ class StepLogger:
     once and its counts (and gradient figures) with the next step, so a step is never logged twice.
     """
 
-    def __init__(self, spec: Any, comm: Any, model: Any, *, resumed: Any = None) -> None:
+    def __init__(
+        self, spec: LearnerSpec, comm: Collectives, model: torch.nn.Module, *, resumed: Restored | None = None
+    ) -> None:
         """``spec``: the ``LearnerSpec`` (config, run directory, student, held-out prompts); ``model``:
         the student, evaluated as it trains; ``resumed``: the ``checkpoint.Restored`` the run resumed
         from (the records after its step and the sample rows outside its ledger are dropped)."""
