@@ -169,7 +169,7 @@ def test_published_weights_are_compact_copies_of_zero_views():
     buffer, and equal them."""
     import pickle
 
-    from asyncrl.learner import publishable_state
+    from asyncrl.coordinator import publishable_state
 
     backend = ds_backend(TrainConfig(lr=1e-3, warmup_steps=0))
     state = backend.module.state_dict()

@@ -21,6 +21,11 @@ dies mid-copy leaves a partial one. ``asyncrl_state.json`` lists every file rank
 size (and whether per-rank shards exist); each state pair records its tensor file's size.
 ``latest`` returns the newest checkpoint that passes these checks (``problems``), so a torn
 copy is never loaded.
+
+**The learner's checkpoints.** ``Checkpointer`` says when one is due (``train.checkpoint_every``
+and the last step) and saves it through Ray Train's ``report``, every rank its part; when the
+numerics guard stops a run, its checkpoint is followed by ``RUN/abort.json`` (``write_abort``), which
+the driver turns into the run's error.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from asyncrl.collectives import Collectives
+    from asyncrl.step import NumericsGuard, StepParts
 
 STATE_FILE = "asyncrl_state.json"
 TRAINER_STATE = "trainer_state"  # + .json / .safetensors
@@ -178,6 +187,13 @@ class Restored:
     ledger: np.ndarray
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed the learner process's RNGs, the ones ``rng_state`` checkpoints."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     """The learner process's RNG states (torch CPU, numpy's global, Python's)."""
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -315,3 +331,73 @@ def latest(run_dir: str | Path) -> Path | None:
         if not bad:
             return path
     return None
+
+
+# --- the learner's checkpoints ----------------------------------------------------------------------
+#: written by learner rank 0 when the numerics guard stops the run; the driver turns it into the run's error
+ABORT_FILE = "abort.json"
+
+
+class Checkpointer:
+    """When a learner checkpoints (every ``every`` steps, 0 = never, and at the last step) and how:
+    every rank writes its part (``save``) and reports it to Ray Train, which copies the parts into
+    one ``step_<v>`` folder of the run's checkpoints. Every rank calls ``save``."""
+
+    def __init__(self, comm: Collectives, *, every: int, steps: int, version: int) -> None:
+        self.comm = comm
+        self.every = every
+        self.steps = steps
+        self.last = version  # version of the latest checkpoint (the one resumed from, at start)
+
+    def due(self, version: int) -> bool:
+        if version >= self.steps:
+            return True
+        return self.every > 0 and version // self.every > self.last // self.every
+
+    def save(
+        self,
+        version: int,
+        parts: StepParts,
+        ledger: list[np.ndarray],
+        counters: dict[str, int],
+        coordinator_state: dict[str, Any] | None,
+        *,
+        aborted: bool = False,
+    ) -> None:
+        """Checkpoint ``parts`` and the books at ``version``; rank 0 passes the
+        coordinator's. ``aborted``: the numerics guard's, whose skipped samples enter the ledger as
+        dropped; at the version of the latest checkpoint it goes to ``step_<v>_aborted`` beside it."""
+        import tempfile
+
+        import ray.train
+        from ray.train import Checkpoint
+
+        suffix = "_aborted" if aborted and self.last >= version else ""
+        with tempfile.TemporaryDirectory() as tmp:
+            save(
+                Path(tmp),
+                rank=self.comm.rank,
+                world=self.comm.world,
+                model=parts.backend.module,
+                backend=parts.backend,
+                controllers=parts.controllers,
+                version=version,
+                ledger=np.concatenate(ledger) if ledger else np.zeros(0, dtype=np.int64),
+                counters=counters,
+                coordinator_state=coordinator_state,
+            )
+            wrote = any(Path(tmp).iterdir())  # ranks > 0 write only a sharded backend's state
+            ray.train.report(
+                {"step": version},
+                checkpoint=Checkpoint.from_directory(tmp) if wrote else None,
+                checkpoint_dir_name=f"step_{version:06d}{suffix}",
+            )
+        self.comm.barrier()  # every shard is on storage before any rank moves on (and might fail)
+        self.last = version
+
+
+def write_abort(run_dir: str | Path, guard: NumericsGuard) -> None:
+    """Leave why the numerics guard (a tripped ``asyncrl.step.NumericsGuard``) stopped the run, and
+    where its checkpoint is, for the driver (``RUN/abort.json``); call it once the checkpoint is saved."""
+    message = guard.message(latest(run_dir))
+    Path(run_dir, ABORT_FILE).write_text(json.dumps({"step": guard.first_bad_step, "message": message}))

@@ -371,7 +371,7 @@ class BackgroundPublisher:
     """Publishes weights from a background thread, in submission order, so the learner's next
     step overlaps the object-store put and the store's round trip instead of waiting for them.
 
-    ``submit`` takes a snapshot the caller no longer mutates (``learner.publishable_state``
+    ``submit`` takes a snapshot the caller no longer mutates (``publishable_state``
     copies). ``flush`` returns once every submitted publication is applied (call it before
     reading the store's books, e.g. for a checkpoint, and before ``close``). A failure in the
     thread is raised by the next ``submit`` or ``flush``; later submissions are not sent.
@@ -396,6 +396,11 @@ class BackgroundPublisher:
         self._queue.join()
         self._raise()
 
+    def books(self) -> dict[str, Any]:
+        """The store's books once every submitted publication is applied (what a checkpoint saves)."""
+        self.flush()
+        return self.client.state_dict()
+
     def close(self) -> None:
         """Flush, then stop the thread."""
         self.flush()
@@ -418,6 +423,15 @@ class BackgroundPublisher:
                 self._error = err
             finally:
                 self._queue.task_done()
+
+
+def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights the PolicyStore ships to engines: compact CPU copies of ``model.state_dict()``.
+
+    Engines live in other processes, maybe on other devices, hence CPU. A copy even on CPU: the
+    publisher thread sends it while the next step updates the parameters in place.
+    """
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 #: a packed tensor: (torch dtype name, shape, its bytes as a flat uint8 array)

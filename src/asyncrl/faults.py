@@ -21,10 +21,13 @@ process nor a resumed run fires it again. Driver death is injected from outside
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -110,3 +113,29 @@ class Faults:
 
 
 NO_FAULTS = Faults(FaultConfig(), "")
+
+
+class InjectedNaN:
+    """``nonfinite_step``: NaN logits from ``model``'s output head in ``nonfinite_count`` step
+    attempts in a row from the first attempt at step k (a skipped step's retry is the next attempt)."""
+
+    def __init__(self, faults: Faults, model: Any) -> None:
+        self.faults = faults
+        self.model = model
+        self.left = 0  # injected NaN attempts still to come
+
+    @contextlib.contextmanager
+    def __call__(self, step: int) -> Iterator[None]:
+        """Around one attempt at optimizer ``step``: the loss and the gradient are NaN if it fires."""
+        if self.left == 0 and self.faults.once("nonfinite_step", step):
+            self.left = self.faults.config.nonfinite_count
+        if self.left == 0:
+            yield
+            return
+        self.left -= 1
+        head = self.model.get_output_embeddings()
+        handle = head.register_forward_hook(lambda module, args, out: out * float("nan"))
+        try:
+            yield
+        finally:
+            handle.remove()

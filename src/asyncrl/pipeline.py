@@ -348,11 +348,10 @@ class RunAborted(RuntimeError):
 def prepare_run_dir(plan: RunPlan) -> None:
     """Before a run: drop what would claim an outcome (summary, abort note); a fresh run (nothing to
     resume) also drops the checkpoints, books and fault markers an earlier run left."""
-    from asyncrl.learner import ABORT_FILE
     from asyncrl.telemetry.names import SUMMARY_FILE
 
     run_dir = Path(plan.cfg.run_dir)
-    for name in (SUMMARY_FILE, ABORT_FILE):
+    for name in (SUMMARY_FILE, checkpoint.ABORT_FILE):
         (run_dir / name).unlink(missing_ok=True)
     if plan.resume_dir is None:
         found = checkpoint.scan(run_dir)
@@ -394,7 +393,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from asyncrl.coordinator import PolicyStore
-    from asyncrl.learner import ABORT_FILE, LearnerSpec, train_loop_per_worker
+    from asyncrl.learner import LearnerSpec, train_loop_per_worker
     from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import write_summary
     from asyncrl.telemetry.summary import failed_summary, summarize
@@ -486,7 +485,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     finally:
         if started:
             ray.shutdown()
-    abort = run_dir / ABORT_FILE
+    abort = run_dir / checkpoint.ABORT_FILE
     aborted = json.loads(abort.read_text())["message"] if abort.is_file() else None
     summary = summarize(
         run_dir,

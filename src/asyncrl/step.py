@@ -12,9 +12,10 @@ movement, weight publication and telemetry). In order::
 Learner version ``v`` = optimizer steps applied; a sample's lag here is ``v - version_first``.
 A call takes no optimizer step when every sample on every rank was dropped, or when the loss or
 gradient is not finite (the step is skipped and reported, the weights are unchanged; the
-version does not advance). When the controllers' LR scale is 0 (e.g. ``gradient_alignment``
-with ``mode: skip``) the optimizer is not called either, so the weights *and* its state are
-unchanged, but the version advances: the batch was trained at LR 0 (``lr_applied = 0``).
+version does not advance; ``NumericsGuard`` stops a run after too many in a row). When the
+controllers' LR scale is 0 (e.g. ``gradient_alignment`` with ``mode: skip``) the optimizer is not
+called either, so the weights *and* its state are unchanged, but the version advances: the batch
+was trained at LR 0 (``lr_applied = 0``).
 
 The policy the step computes is the sampling one: the model must be in eval mode (dropout
 off: the engines sample without it) and the logits are divided by the sampling temperature
@@ -189,6 +190,12 @@ class StepResult:
     seq_log_ratio_global: torch.Tensor  # [N_kept_global] log pi_theta(y) / pi_b(y)
     metrics: dict[str, float]  # the estimator's and controllers' own metrics (their keys)
     samples: dict[str, np.ndarray]  # per local sample: kept, lag, loss, kl_behavior_current, seq_log_ratio
+
+    @property
+    def consumed(self) -> tuple[int, int]:
+        """(trained, dropped) samples, all ranks: a non-finite step trains none of its samples."""
+        trained = 0 if self.nonfinite else self.n_kept
+        return trained, self.n_dropped + self.n_kept - trained
 
 
 def sample_info(batch: Mapping[str, Any]) -> SampleInfo:
@@ -377,3 +384,36 @@ def loss_step(
         metrics=metrics,
         samples=samples,
     )
+
+
+class NumericsGuard:
+    """Stops a run whose numerics stay broken: ``loss_step`` skips a step whose loss or gradient is
+    not finite (the weights are unchanged), and ``limit`` such steps in a row (0 = never) trip the
+    guard. Identical on every rank: the loss and the gradient norm are reduced over ranks."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.streak = 0  # optimizer steps in a row skipped for non-finite numbers
+        self.first_bad_step: int | None = None  # the 1-based step the streak started at
+
+    def update(self, result: StepResult) -> None:
+        if result.nonfinite:
+            if self.streak == 0:
+                self.first_bad_step = result.version + 1
+            self.streak += 1
+        elif result.stepped:
+            self.streak = 0
+
+    @property
+    def tripped(self) -> bool:
+        return self.limit > 0 and self.streak >= self.limit
+
+    def message(self, checkpoint: Any) -> str:
+        """Why the run stopped and how to resume, for the driver; ``checkpoint``: where the
+        weights from before the first bad step were saved."""
+        return (
+            f"{self.streak} optimizer steps in a row had a non-finite loss or gradient "
+            f"(from step {self.first_bad_step}; train.max_nonfinite_steps={self.limit}); the run stopped "
+            f"with the weights from before step {self.first_bad_step} checkpointed in {checkpoint}: lower "
+            f"train.lr or check the prompts and the teacher, then rerun the same command to resume from there"
+        )

@@ -5,15 +5,17 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.backends.base import LearnerBackend, scheduled_lr
 from asyncrl.backends.ddp import TorchBackend
-from asyncrl.config import TrainConfig
+from asyncrl.config import RunConfig, TrainConfig
 
-__all__ = ["LearnerBackend", "TorchBackend", "make_backend", "scheduled_lr"]
+__all__ = ["LearnerBackend", "TorchBackend", "learner_backend", "make_backend", "scheduled_lr"]
 
 
 def make_backend(name: str, model: torch.nn.Module, tc: TrainConfig, world: int, **options: Any) -> Any:
@@ -24,3 +26,36 @@ def make_backend(name: str, model: torch.nn.Module, tc: TrainConfig, world: int,
 
         return DeepSpeedBackend(model, tc, world, **options)
     raise ValueError(f"unknown learner backend {name!r}; use 'ddp' or 'deepspeed'")
+
+
+def learner_backend(cfg: RunConfig, model_dir: str | Path, world: int, *, checkpointed: bool) -> Any:
+    """A learner worker's student: the model at ``model_dir`` on this worker's device, in eval mode,
+    behind ``pipeline.backend``. ``checkpointed``: ``model_dir`` is in a run directory, whose
+    weights are read as safetensors only (never unpickled)."""
+    from transformers import AutoModelForCausalLM
+
+    pc = cfg.pipeline
+    safe = {"use_safetensors": True} if checkpointed else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=torch.float32, **safe
+    )
+    if pc.device == "cuda":  # this worker's GPU (Ray Train sets CUDA_VISIBLE_DEVICES and the index)
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()
+    else:
+        device = torch.device("cpu")
+    if pc.backend == "deepspeed":  # DeepSpeed picks its accelerator (and NCCL/gloo) from it
+        os.environ["DS_ACCELERATOR"] = pc.device
+    # eval mode: the engines sample without dropout, so pi_theta must be computed without it too,
+    # or lag-0 importance ratios are not 1 (gradients flow in eval mode all the same)
+    model.to(device).eval()
+    return make_backend(
+        pc.backend,
+        model,
+        cfg.train,
+        world,
+        zero_stage=pc.zero_stage,
+        # DeepSpeed's JIT-op build cache goes with the model cache (absolute path), else its default
+        extensions_dir=str(Path(cfg.workload.cache_dir, "torch_extensions")),
+    )

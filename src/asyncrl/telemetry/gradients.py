@@ -39,15 +39,17 @@ bucket's samples alone (one more forward/backward per bucket when a batch spans 
 
 ``GradientTrace`` is the per-step companion: ``grad/cos_prev = cos(g_t, g_{t−1})`` of the
 gradients the optimizer actually applied (after controllers' transforms and clipping), the
-consecutive-gradient cosine that gradient-alignment methods watch.
+consecutive-gradient cosine that gradient-alignment methods watch. ``LearnerGradients`` wires
+both into the learner (rank 0, as configured).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -55,14 +57,19 @@ import torch
 from asyncrl import records as R
 from asyncrl.estimators.functional import forward_kl_dense, reverse_kl_dense
 from asyncrl.estimators.token_loss import reduce_loss, reduction_count
+from asyncrl.step import sample_info
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.staleness import LAG_BUCKETS, lag_bucket_index
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
 
 __all__ = [
     "ESTIMANDS",
     "MAX_VOCAB",
     "GradientProbe",
     "GradientTrace",
+    "LearnerGradients",
     "WithDenseLogits",
     "dense_reference_due",
     "estimand",
@@ -311,3 +318,32 @@ class GradientTrace:
             out[N.GRAD_COS_PREV] = float(g.dot(self.prev)) / denom if denom > 0 else math.nan
         self.prev = g.clone()
         return out
+
+
+class LearnerGradients:
+    """The learner's gradient telemetry, on rank 0 only (gradients are all-reduced): the probe
+    (``telemetry.grad_reference: dense``) before a step and the trace (``telemetry.grad_cos_prev``)
+    after it; each is off unless configured, both on the other ranks (``rank0=False``)."""
+
+    def __init__(self, cfg: RunConfig, model: torch.nn.Module, estimator: Any, *, rank0: bool) -> None:
+        """``cfg``: the ``RunConfig`` (its ``telemetry`` switches, the sampling temperature)."""
+        tel = cfg.telemetry
+        dense = tel.grad_reference == "dense" and rank0
+        self.probe = GradientProbe(model, estimator, cfg.sampling.temperature) if dense else None
+        self.trace = GradientTrace() if tel.grad_cos_prev and rank0 else None
+
+    def before(self, batch: Mapping[str, Any], keep: np.ndarray, version: int) -> dict[str, float]:
+        """Before the step: the dense-reference diagnostics of a batch that carries the teacher's
+        full logits (the scoring stage adds them every ``grad_every`` steps)."""
+        if self.probe is None or R.TEACHER_LOGITS not in batch:
+            return {}
+        t0 = time.perf_counter()
+        out = self.probe(batch, keep=keep, lags=sample_info(batch).lag(version))
+        out["time/grad_probe_s"] = time.perf_counter() - t0
+        return out
+
+    def after(self, result: Any, backend: Any) -> dict[str, float]:
+        """After a step: ``grad/cos_prev`` of the gradients the optimizer applied."""
+        if self.trace is None or not result.stepped:
+            return {}
+        return self.trace(backend.gradients())

@@ -5,21 +5,27 @@ One owner of the learner's metric keys (``names``) and of how each is reduced ov
 ranks (counts, the global loss and token KL, the kept samples' lags and sequence log-ratios of
 every rank), and the functions here only name and summarise them. The estimator's and the
 controllers' own metrics keep their keys; a learner key wins on a clash (the learner's figure
-is the global one).
+is the global one). ``StepLogger`` is the learner's writer of both files.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from asyncrl import records as R
+from asyncrl.collectives import Collectives
 from asyncrl.controllers.functional import ess_fraction
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.staleness import per_bucket
+
+if TYPE_CHECKING:
+    from asyncrl.checkpoint import Restored
+    from asyncrl.learner import LearnerSpec
 
 #: bookkeeping and timing columns copied from the batch into samples.parquet when present: the
 #: block's position in the stream, the learner version at its admission and the version the
@@ -128,3 +134,125 @@ def bucket_metrics(rows: Mapping[str, np.ndarray]) -> dict[str, float]:
 
 def _ess(log_weights: np.ndarray) -> float:
     return float(ess_fraction(torch.as_tensor(log_weights, dtype=torch.float64)))
+
+
+class StepLogger:
+    """The learner's step log: one record per optimizer step in metrics.jsonl, one row per
+    consumed sample in samples.parquet. Every rank calls ``log`` (the rows are gathered); rank 0
+    writes, and owns the ``RunWriter``, the ``mem/*`` probe and the eval cadence (``eval/accuracy``
+    every ``train.eval_every`` steps and at the last). The driver shows progress by following
+    metrics.jsonl (``asyncrl.telemetry.progress``).
+
+    A consumption without a step (every sample dropped, or non-finite numbers) logs its samples at
+    once and its counts (and gradient figures) with the next step, so a step is never logged twice.
+    """
+
+    def __init__(
+        self, spec: LearnerSpec, comm: Collectives, model: torch.nn.Module, *, resumed: Restored | None = None
+    ) -> None:
+        """``spec``: the ``LearnerSpec`` (config, run directory, student, held-out prompts); ``model``:
+        the student, evaluated as it trains; ``resumed``: the ``checkpoint.Restored`` the run resumed
+        from (the records after its step and the sample rows outside its ledger are dropped)."""
+        cfg = self.cfg = spec.cfg
+        self.comm = comm
+        self.model = model
+        self.rank0 = comm.rank == 0
+        self.pending: dict[str, float] = {}  # counts of consumptions without a step, logged with the next
+        self.pending_extra: dict[str, float] = {}  # gradient figures of a batch that took no step
+        #: start-up marks (names.STARTUP_MARKS), logged with this process's first step, then None
+        self.marks: dict[str, float] | None = {}
+        self.writer = self.evaluator = self.memory = None
+        if self.rank0:
+            from transformers import AutoTokenizer
+
+            from asyncrl.telemetry.memory import MemoryProbe
+            from asyncrl.telemetry.sinks import RunWriter
+            from asyncrl.workloads.evaluate import Evaluator
+
+            self.writer = RunWriter(
+                spec.run_dir,
+                tensorboard=cfg.telemetry.tensorboard,
+                resume=resumed is not None,
+                truncate_after_step=resumed.version if resumed else 0,
+                keep_sample_ids=resumed.ledger if resumed else None,
+            )
+            self.memory = MemoryProbe()
+            tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
+            self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
+        self.eval_time = 0.0
+        self.t_run0 = self.t_prev = time.perf_counter()
+
+    def start(self, version: int) -> None:
+        """Before the first publication: a fresh run's eval of the starting weights (step 0)."""
+        if self.rank0 and version == 0 and self.cfg.train.eval_every > 0:
+            self.writer.log_step(0, {N.EVAL_ACCURACY: self.evaluate(), N.TIME_S: 0.0})
+
+    def ready(self, started_at: float) -> None:
+        """The learner is loaded and its weights published: start-up marks, and the step clock starts."""
+        self.t_prev = time.perf_counter()
+        self.marks = {N.LEARNER_START_AT: started_at, N.LEARNER_READY_AT: time.time()}
+
+    def first_batch(self) -> None:
+        if self.marks is not None:
+            self.marks.setdefault(N.FIRST_BATCH_AT, time.time())
+
+    def log(
+        self,
+        batch: Mapping[str, Any],
+        result: Any,
+        version: int,
+        *,
+        t_got: float,
+        t_computed: float,
+        extra: dict[str, float] | None = None,
+    ) -> None:
+        """One ``loss_step`` at ``version`` (before it): its samples' rows now, its step record if it
+        stepped. ``t_got``/``t_computed``: when its data arrived and its step was computed."""
+        rows = self.comm.gather_rows(sample_rows(batch, result, version, step=version + 1))
+        if not self.rank0:
+            return
+        metrics = step_metrics(result)
+        for key in (N.DROPPED, N.NUMERICS_SKIPPED):
+            if key in metrics:
+                self.pending[key] = self.pending.get(key, 0.0) + metrics.pop(key)
+        self.writer.log_samples(rows)
+        self.pending_extra.update(extra or {})
+        if not result.stepped:
+            return
+        metrics.update(self.pending)
+        metrics.update(self.pending_extra)
+        self.pending, self.pending_extra = {}, {}
+        if self.marks is not None:
+            metrics.update(self.marks, **{N.FIRST_STEP_AT: time.time()})
+            self.marks = None
+        now = time.perf_counter()
+        dt = now - self.t_prev
+        metrics.update(bucket_metrics(rows))
+        metrics.update(self.memory.sample())
+        metrics.update(
+            {
+                N.VERSION: float(result.version),
+                N.SAMPLES_PER_S: result.n_kept / max(dt, 1e-9),
+                N.LEARNER_IDLE_FRAC: (t_got - self.t_prev) / max(dt, 1e-9),
+                "time/step_s": dt,
+                "time/data_wait_s": t_got - self.t_prev,
+                "time/compute_s": t_computed - t_got,  # forward, loss, backward, optimizer step
+                "time/publish_s": now - t_computed,  # gathers, weights to the store, release
+            }
+        )
+        ev, steps = self.cfg.train.eval_every, self.cfg.train.steps
+        if ev > 0 and (result.version % ev == 0 or result.version >= steps):
+            metrics[N.EVAL_ACCURACY] = self.evaluate()
+        metrics[N.TIME_S] = time.perf_counter() - self.t_run0
+        metrics["time/eval_total_s"] = self.eval_time
+        self.writer.log_step(result.version, metrics)
+        self.t_prev = time.perf_counter()
+
+    def evaluate(self) -> float:
+        acc, dt = self.evaluator(self.model)
+        self.eval_time += dt
+        return acc
+
+    def close(self) -> None:
+        if self.rank0:
+            self.writer.close()

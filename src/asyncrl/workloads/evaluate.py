@@ -1,19 +1,24 @@
 """Greedy exact-match evaluation of a model on task examples, through ``HFEngine``.
 
 Batched: one engine call per ``batch_size`` prompts, temperature 0, no per-row Python loop
-inside generation. Used by pretraining (stopping rules, reported accuracy) and by eval.
+inside generation. Used by pretraining (stopping rules, reported accuracy) and, through
+``Evaluator``, by the learner's ``eval/accuracy`` on the held-out split.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
-from asyncrl.workloads.tasks import Example, Task, encode_prompts
+from asyncrl.workloads.tasks import Example, Task, encode_prompts, get_task
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
 
 
 def greedy_completions(
@@ -56,3 +61,26 @@ def exact_match(
         raise ValueError("exact_match needs at least one example")
     texts = greedy_completions(model, tokenizer, [e.prompt for e in examples], max_new_tokens, batch_size)
     return sum(task.verify(c, e.answer) for c, e in zip(texts, examples)) / len(examples)
+
+
+class Evaluator:
+    """Greedy exact match on a run's held-out split (learner rank 0), timed."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: Any, prompts: list[tuple[str, str]]) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.task = get_task(cfg.workload.task)
+        self.examples = [Example(prompt=p, answer=a, prompt_id=i) for i, (p, a) in enumerate(prompts)]
+
+    def __call__(self, model: torch.nn.Module) -> tuple[float, float]:
+        """(accuracy, seconds it took)."""
+        t0 = time.perf_counter()
+        acc = exact_match(
+            model,
+            self.tokenizer,
+            self.task,
+            self.examples,
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
+            batch_size=64,
+        )
+        return float(acc), time.perf_counter() - t0

@@ -1,4 +1,4 @@
-"""``learner.started_early``: the rollout stream is started in a background thread while the
+"""``rollouts.started_early``: the rollout stream is started in a background thread while the
 learner loads, and behaves like the plain iterator otherwise."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from asyncrl.learner import started_early
+from asyncrl.rollouts import started_early
 
 
 def test_first_item_is_pulled_in_the_background_before_the_caller_asks():
