@@ -71,7 +71,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # import torch and load a model) start while this worker loads its model and evaluates
     batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world))
     w = Learner(spec)
-    w.start()  # publish the starting weights: admission opens
+    w.start()  # publish the starting weights (admission opens), then the step-0 eval
     w.steps.ready(started_at)
     if w.version >= tc.steps:  # resumed from the final checkpoint: nothing left to train
         w.finish()
@@ -153,10 +153,11 @@ class Learner:
         self.steps = StepLogger(spec, self.comm, backend.module, resumed=restored)
 
     def start(self) -> None:
-        """Evaluate the starting weights (a fresh run) and publish them: admission opens."""
-        self.steps.start(self.version)
+        """Publish the starting weights (admission opens), then evaluate them (a fresh run): the
+        first rollout batch is generated and scored while the step-0 eval runs, not after it."""
         if self.rank0:
             self.store.start(publishable_state(self.parts.backend.module), self.version)
+        self.steps.start(self.version)
 
     def publish(self, result: Any, *, consumed: tuple[int, int] | None) -> None:
         """Rank 0: new weights after a step; ``consumed`` releases the rollout batch in the same call.

@@ -183,7 +183,7 @@ class StepLogger:
         self.t_run0 = self.t_prev = time.perf_counter()
 
     def start(self, version: int) -> None:
-        """Before the first publication: a fresh run's eval of the starting weights (step 0)."""
+        """Before the first step: a fresh run's eval of the starting weights (step 0)."""
         if self.rank0 and version == 0 and self.cfg.train.eval_every > 0:
             self.writer.log_step(0, {N.EVAL_ACCURACY: self.evaluate(), N.TIME_S: 0.0})
 
