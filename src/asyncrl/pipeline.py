@@ -197,7 +197,11 @@ def build_dataset(
     local = cfg.train.batch_size // pc.learner_workers
     # from_blocks: each block's metadata is computed here, in the driver; from_arrow would run one
     # Ray task per block for it (hundreds at start-up, competing with the stage actors' start)
-    ds = ray.data.from_blocks([_to_arrow(b) for b in blocks]) if blocks is not None else streamed(plan, skip_ids)
+    ds = (
+        ray.data.from_blocks([_to_arrow(b) for b in blocks])
+        if blocks is not None
+        else streamed(plan, skip_ids)
+    )
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     generate = dict(
