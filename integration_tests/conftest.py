@@ -28,6 +28,40 @@ CACHE = Path(os.environ.get("ASYNCRL_TEST_CACHE", REPO / ".asyncrl_cache"))
 torch.set_num_threads(1)
 
 
+#: pairs the test command pretrains in a background process while the unit tests run (they use about
+#: one core; pretraining uses one thread), in the order the integration tests need them
+WARM = (("small_pair", "small"), ("qwen_pair", "qwen-tiny"))
+_warming: list = []
+
+
+def pytest_collection_finish(session) -> None:
+    """Warm the model cache for the selected tests that need the slow pairs. The fixtures call the same
+    ``pretrain``, which holds a per-pair lock (``asyncrl.workloads.pretrain.cache_lock``): one still
+    training in the background is waited for, then reused; one that failed there is trained (and its
+    error raised) by the fixture itself."""
+    import subprocess
+    import sys
+
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    presets = [preset for fixture, preset in WARM if fixture in needed]
+    if not presets or session.config.option.collectonly:
+        return
+    calls = "; ".join(
+        f"pretrain(task='addition', preset={p!r}, cache_dir={str(CACHE)!r}, seed=0, progress=False)"
+        for p in presets
+    )
+    code = f"import torch; torch.set_num_threads(1); from asyncrl.workloads.pretrain import pretrain; {calls}"
+    _warming.append(
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    )
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for proc in _warming:  # a run stopped early (-x, ctrl-c) leaves no pretraining behind
+        if proc.poll() is None:
+            proc.terminate()
+
+
 @pytest.fixture(scope="session")
 def tiny_pair():
     """Teacher/student for the built-in addition task at the `tiny` preset (trained once, < 1 min)."""

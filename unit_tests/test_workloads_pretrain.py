@@ -252,3 +252,36 @@ def test_an_overshoot_is_bisected_to_a_step_inside_the_band() -> None:
         PretrainError, match=r"jumped over the band.*0\.100 at step 14, 0\.900 at step 15.*lr"
     ):
         _bisect_band(model, snaps, lambda: jump[int(model.weight.item())], band, (10, 0.1), (20, 0.9), print)
+
+
+def test_cache_lock_lets_one_trainer_at_a_time_and_sits_beside_the_entry(tmp_path):
+    """Two callers pretraining the same pair (a background warm-up and a test fixture, or two CLI
+    runs) must not train and write one cache entry at once: the second waits for the first."""
+    import fcntl
+    import threading
+
+    from asyncrl.workloads.pretrain import cache_lock
+
+    root = tmp_path / "addition-tiny-s0"
+    order: list[str] = []
+    with cache_lock(root):
+        lock_file = tmp_path / ".locks" / "addition-tiny-s0.lock"
+        with open(lock_file, "w") as other:  # another open file description: as another process
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = False
+            except BlockingIOError:
+                held = True
+        assert held
+
+        def second() -> None:
+            with cache_lock(root):
+                order.append("second")
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        waiter.join(timeout=0.3)
+        order.append("first done")
+    waiter.join(timeout=5)
+    assert order == ["first done", "second"]
+    assert not root.exists()  # the lock lives beside the entry: a failed pretraining caches nothing

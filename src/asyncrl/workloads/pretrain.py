@@ -29,6 +29,8 @@ knob to change; nothing outside the target is cached. Deterministic given the se
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import platform
@@ -153,36 +155,52 @@ def pretrain(
     root = run_dir_for(task_obj.name, preset_obj.name, seed, cache_dir)
     teacher_dir, student_dir = root / "teacher", root / "student"
     log = _printer(progress)
+    # one trainer per pair: a concurrent caller (a second `asyncrl pretrain`, a test fixture while the
+    # test command warms the cache in the background) waits here, then reuses what the first cached
+    with cache_lock(root):
+        cached = {
+            role: not force
+            and not missing_parts(root / role, require_meta=True)
+            and _fingerprint_matches(read_meta(root / role), preset_obj, role)
+            for role in ("teacher", "student")
+        }
+        if all(cached.values()):
+            tm, sm = read_meta(teacher_dir), read_meta(student_dir)
+            log(
+                f"reusing {root} (teacher {tm['accuracy']:.3f}, student {sm['accuracy']:.3f}); "
+                "force=True retrains"
+            )
+            return PretrainResult(
+                teacher_dir,
+                student_dir,
+                float(tm["accuracy"]),
+                float(sm["accuracy"]),
+                time.perf_counter() - t0,
+                reused=True,
+                teacher_steps=int(tm.get("steps", 0)),
+                student_steps=int(sm.get("steps", 0)),
+            )
 
-    cached = {
-        role: not force
-        and not missing_parts(root / role, require_meta=True)
-        and _fingerprint_matches(read_meta(root / role), preset_obj, role)
-        for role in ("teacher", "student")
-    }
-    if all(cached.values()):
-        tm, sm = read_meta(teacher_dir), read_meta(student_dir)
-        log(
-            f"reusing {root} (teacher {tm['accuracy']:.3f}, student {sm['accuracy']:.3f}); "
-            "force=True retrains"
-        )
-        return PretrainResult(
-            teacher_dir,
-            student_dir,
-            float(tm["accuracy"]),
-            float(sm["accuracy"]),
-            time.perf_counter() - t0,
-            reused=True,
-            teacher_steps=int(tm.get("steps", 0)),
-            student_steps=int(sm.get("steps", 0)),
-        )
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # deterministic, and faster than 2 threads for models this small
+        try:
+            return _pretrain(task_obj, preset_obj, root, seed, log, t0, cached, show=progress)
+        finally:
+            torch.set_num_threads(threads)
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # deterministic, and faster than 2 threads for models this small
-    try:
-        return _pretrain(task_obj, preset_obj, root, seed, log, t0, cached, show=progress)
-    finally:
-        torch.set_num_threads(threads)
+
+@contextlib.contextmanager
+def cache_lock(root: Path) -> Any:
+    """An exclusive lock on one pair's cache entry (``CACHE/.locks/<entry>.lock``, beside the entry so a
+    refused or failed pretraining leaves the entry itself absent), held while it is checked and trained."""
+    locks = root.parent / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{root.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _pretrain(
