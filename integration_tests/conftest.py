@@ -28,31 +28,41 @@ CACHE = Path(os.environ.get("ASYNCRL_TEST_CACHE", REPO / ".asyncrl_cache"))
 torch.set_num_threads(1)
 
 
-#: pairs the test command pretrains in a background process while the unit tests run (they use about
-#: one core; pretraining uses one thread), in the order the integration tests need them
-WARM = (("small_pair", "small"), ("qwen_pair", "qwen-tiny"))
+#: the pretrained pairs the tests use: fixture name -> preset (task addition, seed 0, cached in CACHE)
+PAIRS = {"tiny_pair": "tiny", "small_pair": "small", "qwen_pair": "qwen-tiny"}
+#: the slow ones, pretrained in a background process while the unit tests run (they use about one core;
+#: pretraining uses one thread), in the order the integration tests need them
+WARM = ("small_pair", "qwen_pair")
 _warming: list = []
 
 
+def pretrained(fixture: str):
+    """The pair behind ``fixture``, trained once per machine (``asyncrl.workloads.pretrain``)."""
+    from asyncrl.workloads.pretrain import pretrain
+
+    return pretrain(task="addition", preset=PAIRS[fixture], cache_dir=CACHE, seed=0, progress=False)
+
+
 def pytest_collection_finish(session) -> None:
-    """Warm the model cache for the selected tests that need the slow pairs. The fixtures call the same
-    ``pretrain``, which holds a per-pair lock (``asyncrl.workloads.pretrain.cache_lock``): one still
-    training in the background is waited for, then reused; one that failed there is trained (and its
-    error raised) by the fixture itself."""
+    """Warm the model cache for the selected tests that need the slow pairs, with the project's own
+    ``asyncrl pretrain``. The fixtures call the same ``pretrain``, which holds a per-pair lock
+    (``asyncrl.workloads.pretrain.cache_lock``): one still training in the background is waited for,
+    then reused; one that failed there is trained (and its error raised) by the fixture itself."""
+    import shlex
     import subprocess
     import sys
 
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    presets = [preset for fixture, preset in WARM if fixture in needed]
-    if not presets or session.config.option.collectonly:
+    warm = [f for f in WARM if f in needed]
+    if not warm or session.config.option.collectonly:
         return
-    calls = "; ".join(
-        f"pretrain(task='addition', preset={p!r}, cache_dir={str(CACHE)!r}, seed=0, progress=False)"
-        for p in presets
+    commands = "; ".join(
+        shlex.join([sys.executable, "-m", "asyncrl.cli", "pretrain", "-q", "--task", "addition"])
+        + f" --preset {PAIRS[f]} --cache-dir {shlex.quote(str(CACHE))}"
+        for f in warm
     )
-    code = f"import torch; torch.set_num_threads(1); from asyncrl.workloads.pretrain import pretrain; {calls}"
     _warming.append(
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(["sh", "-c", commands], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     )
 
 
@@ -65,17 +75,25 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 @pytest.fixture(scope="session")
 def tiny_pair():
     """Teacher/student for the built-in addition task at the `tiny` preset (trained once, < 1 min)."""
-    from asyncrl.workloads.pretrain import pretrain
-
-    return pretrain(task="addition", preset="tiny", cache_dir=CACHE, seed=0, progress=False)
+    return pretrained("tiny_pair")
 
 
 @pytest.fixture(scope="session")
 def small_pair():
     """The demo pair (`small` preset): capable enough that 60 OPD steps move its accuracy (~3 min once)."""
-    from asyncrl.workloads.pretrain import pretrain
+    return pretrained("small_pair")
 
-    return pretrain(task="addition", preset="small", cache_dir=CACHE, seed=0, progress=False)
+
+@pytest.fixture(scope="session")
+def qwen_pair():
+    """The `qwen-tiny` pair (Qwen's real vocabulary); see README for its pretraining time."""
+    return pretrained("qwen_pair")
+
+
+def ess_np(log_w: np.ndarray) -> float:
+    """The ESS fraction (sum w)^2 / (n sum w^2) of log-weights, in numpy (independent of the library's)."""
+    w = np.exp(log_w - log_w.max())
+    return float(w.sum() ** 2 / (len(w) * (w**2).sum()))
 
 
 @pytest.fixture(scope="module")

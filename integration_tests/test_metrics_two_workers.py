@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import ess_np, tiny_config
 
 from asyncrl.pipeline import run
 from asyncrl.telemetry import names as N
@@ -13,11 +13,6 @@ from asyncrl.telemetry.sinks import read_metrics
 from asyncrl.telemetry.summary import read_samples
 
 pytestmark = pytest.mark.ray
-
-
-def _ess(log_w: np.ndarray) -> float:
-    w = np.exp(log_w - log_w.max())
-    return float(w.sum() ** 2 / (len(w) * (w**2).sum()))
 
 
 def test_two_workers_log_global_figures(ray_local, tiny_pair, tmp_path):
@@ -42,9 +37,9 @@ def test_two_workers_log_global_figures(ray_local, tiny_pair, tmp_path):
         assert m[N.TOKENS] == n_tok.sum()
         assert m[N.LAG_MEAN] == pytest.approx(kept["lag"].mean(), rel=1e-9)
         assert m[N.LAG_MAX] == kept["lag"].max()
-        assert m[N.ESS_RHO] == pytest.approx(_ess(kept["seq_log_ratio"].to_numpy()), rel=1e-6)
+        assert m[N.ESS_RHO] == pytest.approx(ess_np(kept["seq_log_ratio"].to_numpy()), rel=1e-6)
         lw = np.minimum(kept["seq_log_ratio"].to_numpy(), np.log(1.5))  # what ess_lr acted on
-        assert m[N.ESS_LR_RHO] == pytest.approx(_ess(lw), rel=1e-6)
+        assert m[N.ESS_LR_RHO] == pytest.approx(ess_np(lw), rel=1e-6)
         assert m[N.LOSS] == pytest.approx((kept["loss"] * n_tok).sum() / n_tok.sum(), rel=1e-5)
         kl = (kept["kl_behavior_current"] * n_tok).sum() / n_tok.sum()
         assert m[N.KL_BEHAVIOR_CURRENT] == pytest.approx(kl, rel=1e-5, abs=1e-9)

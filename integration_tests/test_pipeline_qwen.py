@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import CACHE, tiny_config
+from conftest import tiny_config
 
 from asyncrl.cli import main
 from asyncrl.pipeline import run
@@ -25,14 +25,6 @@ from asyncrl.workloads.tokenizer import QWEN_MODEL_VOCAB
 pytestmark = pytest.mark.ray
 
 QWEN = ["workload.preset=qwen-tiny", "workload.task=addition", "train.logits_chunk=2"]
-
-
-@pytest.fixture(scope="module")
-def qwen_pair():
-    """Pretrained once per machine (cached like the tiny pair); see README for its time."""
-    from asyncrl.workloads.pretrain import pretrain
-
-    return pretrain(task="addition", preset="qwen-tiny", cache_dir=CACHE, seed=0, progress=False)
 
 
 def _check_run(result, cfg, steps: int) -> None:
