@@ -16,7 +16,8 @@ from asyncrl import cli
 from asyncrl.config import RunConfig, save_config
 from asyncrl.sweep import MANIFEST, SweepError, cell_state, load_sweep, run_sweep
 from asyncrl.telemetry import names
-from asyncrl.telemetry.sinks import read_summary
+from asyncrl.telemetry.sinks import read_summary, write_summary
+from asyncrl.telemetry.summary import failed_summary
 
 
 class FakeRunner:
@@ -33,7 +34,9 @@ class FakeRunner:
         if run_dir.name in self.fail:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / names.CONFIG_FILE)
-            raise RuntimeError(f"boom in {run_dir.name}\nsecond line")
+            err = RuntimeError(f"boom in {run_dir.name}\nsecond line")
+            write_summary(run_dir, failed_summary(run_dir, err, wall_s=1.0))  # as asyncrl.run does
+            raise err
         write_fake_run(run_dir, max_lag=cfg.pipeline.max_lag, steps=cfg.train.steps, seed=cfg.seed)
         save_config(cfg, run_dir / names.CONFIG_FILE)
         return SimpleNamespace(run_dir=run_dir, summary=read_summary(run_dir), config=cfg)
@@ -68,10 +71,16 @@ def test_interrupted_and_failed_cells_are_rerun(sweep_file: Path) -> None:
     assert runner.calls == keys  # a failure does not stop the others
     assert results[keys[1]].status == "failed" and "RuntimeError: boom in" in results[keys[1]].error
     assert "\n" not in results[keys[1]].error
+    # the failed cell's summary.json says status "failed" (what asyncrl.run writes when it raises): not done
+    assert read_summary(sweep.cells[1].run_dir)["status"] == names.STATUS_FAILED
     # an interrupted cell: it started (config.yaml) but never wrote summary.json
     (sweep.cells[2].run_dir / names.SUMMARY_FILE).unlink()
     assert cell_state(sweep.cells[2]) == "partial" and cell_state(sweep.cells[1]) == "partial"
     assert cell_state(sweep.cells[0]) == "done"
+    # a run the numerics guard stopped is an outcome of its config (a diverged learning rate): done
+    aborted = read_summary(sweep.cells[3].run_dir) | {"status": names.STATUS_ABORTED}
+    write_summary(sweep.cells[3].run_dir, aborted)
+    assert cell_state(sweep.cells[3]) == "done"
     runner2 = FakeRunner()
     run_sweep(load_sweep(sweep_file), runner=runner2)
     assert runner2.calls == [keys[1], keys[2]]

@@ -485,8 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
         "variants, seeds; see examples/sweeps/ and docs/sweeps.md) that is not done yet, then write "
         "OUTPUT/cells.csv|parquet, OUTPUT/seeds.csv|parquet (mean, std, n over seeds), OUTPUT/plots/*.png "
         "and OUTPUT/report.html. Every cell's config is checked before anything runs (exit 2 naming the "
-        "file, the cell and the field). A finished cell (summary.json) is never rerun; an interrupted one "
-        "resumes from its checkpoint. Exit 1 if a cell failed.",
+        "file, the cell and the field). A finished cell (summary.json: completed, or aborted by the numerics "
+        "guard) is never rerun; a failed or interrupted one resumes from its checkpoint. Exit 1 if a cell "
+        "failed.",
     )
     p.add_argument("sweep", help="sweep YAML (see examples/sweeps/)")
     overrides(p)

@@ -57,6 +57,7 @@ from asyncrl.config import RunConfig, load_config, parse_override
 from asyncrl.configurable import ConfigError, field, from_dict, to_dict
 from asyncrl.registry import RegistryError
 from asyncrl.telemetry import names
+from asyncrl.telemetry.sinks import read_summary
 from asyncrl.telemetry.sweep_report import SweepOutputs
 
 __all__ = [
@@ -429,8 +430,9 @@ def _config_diff(stored: RunConfig, wanted: RunConfig) -> list[str]:
 
 
 def cell_state(cell: Cell, sweep_path: Path | None = None) -> CellStatus:
-    """``done`` (summary.json: the run completed), ``partial`` (started: rerun, the pipeline resumes
-    it) or ``pending``. A run directory holding another config raises ``SweepError``."""
+    """``done`` (summary.json of a completed or numerics-aborted run), ``partial`` (started, or failed:
+    rerun, the pipeline resumes it) or ``pending``. A run directory holding another config raises
+    ``SweepError``."""
     run_dir = cell.run_dir
     stored_path = run_dir / names.CONFIG_FILE
     if not stored_path.exists():
@@ -447,7 +449,10 @@ def cell_state(cell: Cell, sweep_path: Path | None = None) -> CellStatus:
             f"{where}cell {cell.key}: {run_dir} holds a run of another config ({shown}); "
             f"remove that directory to rerun the cell, or give the sweep another output_dir"
         )
-    return "done" if (run_dir / names.SUMMARY_FILE).exists() else "partial"
+    summary = read_summary(run_dir)
+    # a run that raised (or was interrupted) writes summary.json too, with status "failed": rerun it (it
+    # resumes); one the numerics guard stopped ("aborted") is an outcome of its config, like a completed one
+    return "done" if summary is not None and summary.get("status") != names.STATUS_FAILED else "partial"
 
 
 # --- running ------------------------------------------------------------------------------------------
