@@ -154,6 +154,7 @@ class Section:
     plots: list[str] = field(default_factory=list)
     cpu_s: float = 0.0
     cells: str = ""
+    tally: str = ""  # how many of the rule's parts hold, e.g. "3 of 4 parts hold"
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -202,6 +203,14 @@ def _verdict(parts: dict[str, bool | None]) -> str:
     if any(v is False for v in parts.values()):
         return NOT_REPRODUCED
     return REPRODUCED if parts and all(v is True for v in parts.values()) else INCONCLUSIVE
+
+
+def _tally(parts: dict[str, bool | None]) -> str:
+    """ "k of n parts hold" (and how many are untestable): one failed part makes the verdict "not
+    reproduced", so the summary says how much of the claim did hold."""
+    held = sum(v is not None and bool(v) for v in parts.values())
+    untestable = sum(v is None for v in parts.values())
+    return f"{held} of {len(parts)} parts hold" + (f", {untestable} untestable" if untestable else "")
 
 
 def _says(parts: dict[str, bool | None]) -> str:
@@ -317,6 +326,7 @@ def kl_direction(sweep: Sweep | None, plots: Path) -> Section:
         [save(fig, plots, "kl_direction_x_lag")],
         sweep.cpu_s,
         f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        tally=_tally(parts),
     )
 
 
@@ -434,6 +444,7 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
         [save(fig, plots, "cache_finiteness")],
         sweep.cpu_s,
         f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        tally=_tally(parts),
     )
 
 
@@ -582,6 +593,7 @@ def async_grpo(sweep: Sweep | None, plots: Path) -> Section:
         [save(fig, plots, "async_grpo")],
         sweep.cpu_s,
         f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        tally=_tally(parts),
     )
 
 
@@ -706,6 +718,7 @@ def lr_x_lag(sweep: Sweep | None, plots: Path) -> Section:
         [save(fig, plots, "lr_x_lag")],
         sweep.cpu_s,
         f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        tally=_tally(parts),
     )
 
 
@@ -727,19 +740,27 @@ def render(sections: Sequence[Section], root: Path, models: str = "") -> str:
         "edit. -->",
         "",
         "Each experiment is one example sweep (`examples/sweeps/`), run with `asyncrl sweep` on the built-in",
-        f"addition task at the `small` preset ({models}) with `pipeline.lag_mode: fixed` (every batch after",
-        "the first S steps is trained at exactly lag S), a fixed number of learner steps and three seeds per",
-        "setting, on a 2-core CPU machine. Tables give mean ± standard error over seeds; a difference counts",
-        "only beyond two standard errors of the difference. The verdict rule of each experiment is stated",
+        "addition task at the `small` preset with `pipeline.lag_mode: fixed` (every batch after the first S",
+        "steps is trained at exactly lag S), a fixed number of learner steps and three seeds per setting, on",
+        f"a 2-core CPU machine. Models: {models}.",
+        "Tables give mean ± standard error over seeds; a difference counts only beyond two standard errors",
+        "of the difference. The verdict rule of each experiment is stated",
         "beside it and is applied by the script, not by hand. Regenerate with the commands in",
         "`scripts/gen_experiments.py`.",
         "",
-        "| experiment | verdict | cells | summed cell wall time |",
-        "|---|---|---|---|",
+        "| experiment | verdict | rule parts | cells | summed cell wall time |",
+        "|---|---|---|---|---|",
     ]
     for s in sections:
         anchor = s.title.lower().replace(" ", "-").replace(".", "").replace("×", "").replace(":", "")
-        lines.append(f"| [{s.title}](#{anchor}) | **{s.verdict}** | {s.cells} | {s.cpu_s / 60:.0f} min |")
+        cols = [
+            f"[{s.title}](#{anchor})",
+            f"**{s.verdict}**",
+            s.tally or "—",
+            s.cells,
+            f"{s.cpu_s / 60:.0f} min",
+        ]
+        lines.append("| " + " | ".join(cols) + " |")
     lines.append("")
     for s in sections:
         lines += [
@@ -747,7 +768,9 @@ def render(sections: Sequence[Section], root: Path, models: str = "") -> str:
             "",
             f"**Claim.** {s.claim}",
             "",
-            f"**Verdict: {s.verdict}.** {s.why}",
+            f"**Verdict: {s.verdict}** ({s.tally}). {s.why}"
+            if s.tally
+            else f"**Verdict: {s.verdict}.** {s.why}",
             "",
             f"*Rule:* {s.rule}",
             "",

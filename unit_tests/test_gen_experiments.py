@@ -213,3 +213,13 @@ def test_a_failed_cell_is_not_a_result(gen: Any, tmp_path: Path) -> None:
     sweep = gen.load_sweep(tmp_path, "kl_direction_x_lag")
     assert len(sweep.runs) == 23 and sweep.pending == 1
     assert "23 cells, 1 not finished" in gen.kl_direction(sweep, tmp_path / "plots").cells
+
+
+def test_the_summary_says_how_many_rule_parts_hold(gen: Any, tmp_path: Path) -> None:
+    kl_sweep(tmp_path, lambda v, s: 0.05 if (v == "reverse_kl_mc_stale" and s == 8) else 0.2)
+    out = tmp_path / "EXPERIMENTS.md"
+    gen.main(["--sweeps-root", str(tmp_path), "--out", str(out), "--plots", str(tmp_path / "p")])
+    assert "| **reproduced** | 3 of 3 parts hold |" in out.read_text()
+    kl_sweep(tmp_path / "b", lambda v, s: 0.05 if (v != "reverse_kl_mc_online" and s == 8) else 0.2)
+    section = kl_verdict(gen, tmp_path / "b")
+    assert section.tally == "2 of 3 parts hold"
