@@ -11,8 +11,10 @@ Regimes: ``short`` = addition, 6 new tokens (3 digits + EOS, with slack); ``long
 Systems, all on the workload's pretrained pair from the asyncrl cache (``<cache>/<task>-<preset>-s0``,
 loaded with ``local_files_only``), the same prompt stream (the pipeline's seeded blocks, in order),
 batch B, T new tokens, temperature 1 from the untruncated softmax, AdamW lr 3e-4, weight decay 0,
-linear warmup over 10 steps then constant (lr * min(1, (k + 1) / 10) at step k: asyncrl's
-``scheduled_lr``, also given to TRL), grad-norm clip 1, seed 0, ``--steps`` optimizer steps:
+linear warmup over the demo config's ``train.warmup_steps`` W (30 in ``opd_async.yaml``; it was 10
+when this benchmark was written) then constant (lr * min(1, (k + 1) / W) at step k: asyncrl's
+``scheduled_lr``, also given to TRL, so both systems follow the same schedule), grad-norm clip 1,
+seed 0, ``--steps`` optimizer steps:
 
   trl          TRL DistillationTrainer, torch's default threads (2 on this 2-core machine; the table
                shows the count measured)
@@ -42,7 +44,7 @@ What TRL is configured to do, checked in trl 1.16.0's source (site-packages/trl)
   * activation_checkpointing=False (TRL's default is True, which re-runs forwards: off, as asyncrl has
     none, to compare equal work); bf16=False; TRL's default optimizer (``adamw_torch_fused``); only
     the learning-rate schedule is replaced (``create_scheduler``) by asyncrl's warmup law, because
-    HF's ``constant_with_warmup`` starts at lr 0 (k / 10), which would waste TRL's first step.
+    HF's ``constant_with_warmup`` starts at lr 0 (k / W), which would waste TRL's first step.
   ``benchmarks/trl_parity.py`` checks that TRL's loss and asyncrl's dense forward KL agree on the
   first batch of this run (same weights, teacher and completions): the "parity" line below.
 
