@@ -206,8 +206,8 @@ def _verdict(parts: dict[str, bool | None]) -> str:
 
 
 def _tally(parts: dict[str, bool | None]) -> str:
-    """ "k of n parts hold" (and how many are untestable): one failed part makes the verdict "not
-    reproduced", so the summary says how much of the claim did hold."""
+    """How many of the rule's parts hold, and how many are untestable: one failed part makes the verdict
+    "not reproduced", so the summary also says how much of the claim did hold."""
     held = sum(v is not None and bool(v) for v in parts.values())
     untestable = sum(v is None for v in parts.values())
     return f"{held} of {len(parts)} parts hold" + (f", {untestable} untestable" if untestable else "")
