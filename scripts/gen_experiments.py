@@ -454,6 +454,18 @@ REWARD = "est/reward_mean"
 WINDOW = 10
 
 
+def seed_mean(
+    curves: Sequence[tuple[np.ndarray, np.ndarray]], *, smooth: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mean over seeds of per-step curves (cut to the shortest); ``smooth``: the trailing ``WINDOW``-step
+    mean, plotted from step ``WINDOW`` on (a centred or zero-padded window would bend both ends)."""
+    n = min(len(c[0]) for c in curves)
+    steps, mean = curves[0][0][:n], np.mean([c[1][:n] for c in curves], axis=0)
+    if smooth and n >= WINDOW:
+        return steps[WINDOW - 1 :], np.convolve(mean, np.ones(WINDOW) / WINDOW, mode="valid")
+    return steps, mean
+
+
 def collapse_step(r: Run) -> int | None:
     """First step where the 10-step rolling batch reward falls below half its first-10-step mean (or a
     step is skipped for non-finite numbers): a collapse event; None if there is none."""
@@ -556,20 +568,14 @@ def async_grpo(sweep: Sweep | None, plots: Path) -> Section:
             curves = [c for c in curves if len(c[0])]
             if not curves:
                 continue
-            n = min(len(c[0]) for c in curves)
-            mean = np.mean([c[1][:n] for c in curves], axis=0)
-            if key == REWARD and n >= WINDOW:
-                mean = np.convolve(mean, np.ones(WINDOW) / WINDOW, mode="same")
-            ax.plot(curves[0][0][:n], mean, label=f"{v} (S={hi})", color=f"C{i}")
+            xs, mean = seed_mean(curves, smooth=key == REWARD)
+            ax.plot(xs, mean, label=f"{v} (S={hi})", color=f"C{i}")
     for i, key in enumerate((REWARD, N.ESS_RHO, N.GRAD_COS_PREV)):
         runs = cell[("none", lo)]
         curves = [c for c in (r.series(key) for r in runs) if len(c[0])]
         if curves:
-            n = min(len(c[0]) for c in curves)
-            mean = np.mean([c[1][:n] for c in curves], axis=0)
-            if key == REWARD and n >= WINDOW:
-                mean = np.convolve(mean, np.ones(WINDOW) / WINDOW, mode="same")
-            axes[i].plot(curves[0][0][:n], mean, "k--", label=f"none (S={lo})")
+            xs, mean = seed_mean(curves, smooth=key == REWARD)
+            axes[i].plot(xs, mean, "k--", label=f"none (S={lo})")
     for ax, y in zip(axes, ("batch reward (10-step mean)", "ESS fraction", "cos(g_t, g_t-1)")):
         ax.set_xlabel("step")
         ax.set_ylabel(y)
