@@ -90,7 +90,7 @@ def load_sweep(root: Path, name: str) -> Sweep | None:
         if not run_dir.is_absolute():
             run_dir = path / "runs" / cell["key"]
         summary = read_summary(run_dir) if run_dir.exists() else None
-        if summary is None or summary.get("status") == "failed":  # rerun by the next `asyncrl sweep`
+        if summary is None or summary.get("status") == N.STATUS_FAILED:  # rerun by the next `asyncrl sweep`
             pending += 1
             continue
         settings = {k: _number(v) for k, v in cell["settings"].items()}
@@ -138,7 +138,11 @@ def acc_final(r: Run) -> float:
 
 
 def acc_gain(r: Run) -> float:
-    return acc_final(r) - float(r.summary.get("eval_accuracy_initial") or math.nan)
+    return acc_final(r) - acc_initial(r)
+
+
+def acc_initial(r: Run) -> float:
+    return float(r.summary.get("eval_accuracy_initial") or math.nan)
 
 
 # --- the document ---------------------------------------------------------------------------------------
@@ -659,7 +663,7 @@ def lr_x_lag(sweep: Sweep | None, plots: Path) -> Section:
         )
     verdict = _verdict(parts)
     header = ["learning rate", *[f"S={s}" for s in lags]]
-    initial = stat(float(r.summary.get("eval_accuracy_initial") or math.nan) for r in sweep.runs)
+    initial = stat(acc_initial(r) for r in sweep.runs)
     body = [f"Final exact match per learning rate and fixed lag S (initial {initial.mean:.3f}):", ""]
     body += md_table(header, [[f"{lr:g}", *[str(acc[(lr, s)]) for s in lags]] for lr in lrs])
 
@@ -733,7 +737,7 @@ def models_line(sweeps: Sequence[Sweep | None]) -> str:
     runs = [r for sw in sweeps if sw is not None for r in sw.runs if r.summary.get("algo") == "opd"]
     if not runs:
         return "no OPD cell has finished yet"
-    student = stat(float(r.summary.get("eval_accuracy_initial") or math.nan) for r in runs)
+    student = stat(acc_initial(r) for r in runs)
     teacher = stat(float(r.summary.get("teacher_accuracy") or math.nan) for r in runs)
     return f"student exact match {student.mean:.3f}, teacher {teacher.mean:.3f} on the runs' eval prompts"
 
