@@ -14,6 +14,13 @@ pipeline's own scaling: in-order admission, delivery, weight publication, the le
 
 Goal (issue 11): 4 generators at max_lag 4 reach >= 80 % of the ideal.
 
+The sleep is padding *on top of* real generation (the tokens and log-probabilities must be the
+student's, or no contract check would mean anything), and teacher scoring and every Ray hand-off
+are real too. So each cell also prints how many cores the whole machine was busy during its
+steady window (``/proc/stat``, sampled in a thread): a cell at ~all cores is CPU-bound here, and
+the pipeline's per-block CPU (not its ordering or admission) is what stands between it and the
+ideal; a cell well below is limited by latency or the staleness window.
+
 ``--tail-prob p``: also run heavy-tailed generation (each sample 10x longer with probability p;
 a block waits for its longest sample) at the largest N and S, with the discrete-event model's
 prediction for the same timings beside the measurement, and the learner's longest wait for data.
@@ -21,15 +28,19 @@ prediction for the same timings beside the measurement, and the learner's longes
     python benchmarks/scaling.py                          # local Ray, 3 x 3 grid
     python benchmarks/scaling.py --cluster                # simulated 2-node cluster (generators on node 2)
     python benchmarks/scaling.py --generators 4 --lags 4 --tail-prob 0.02
+    python benchmarks/scaling.py --extra pipeline.fuse_scoring=true   # generate + score in one actor
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +62,60 @@ def steady_rate(metrics: list[dict[str, Any]], skip_frac: float = 0.25) -> float
     return n / (last["time_s"] - first["time_s"])
 
 
+def steady_window(metrics: list[dict[str, Any]], skip_frac: float = 0.25) -> tuple[float, float]:
+    """Epoch seconds of ``steady_rate``'s window: step ``k0`` and the last step (the first step's
+    record carries its epoch time, ``time/first_step_at``, beside its ``time_s``)."""
+    steps = [m for m in metrics if "samples/kept" in m]
+    k0 = max(1, int(len(steps) * skip_frac))
+    first = next(m for m in steps if "time/first_step_at" in m)
+    offset = first["time/first_step_at"] - first["time_s"]
+    return offset + steps[k0 - 1]["time_s"], offset + steps[-1]["time_s"]
+
+
+class BusyCores:
+    """The machine's busy cores over time: ``/proc/stat`` (Linux) sampled every ``every_s`` in a
+    thread; ``between(t0, t1)`` is the mean number of busy cores in that window (None without
+    /proc or with fewer than two samples in it)."""
+
+    def __init__(self, every_s: float = 0.2) -> None:
+        self.every_s = every_s
+        self.samples: list[tuple[float, int, int]] = []  # (epoch s, busy jiffies, all jiffies)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.cores = os.cpu_count() or 1
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        try:
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            read = self._read()
+            if read is not None:
+                self.samples.append((time.time(), *read))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> BusyCores:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, t0: float, t1: float) -> float | None:
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return None
+        (_, b0, a0), (_, b1, a1) = inside[0], inside[-1]
+        return self.cores * (b1 - b0) / max(a1 - a0, 1)
+
+
 def learner_step_s(metrics: list[dict[str, Any]]) -> float:
     """The learner's own time per step (everything but waiting for data), median after step 1."""
     steps = [m for m in metrics if "time/step_s" in m][1:]
@@ -61,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--generators", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--lags", type=int, nargs="+", default=[0, 1, 4])
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--batch", type=int, default=16, help="train.batch_size B (one block per rollout batch)")
     ap.add_argument("--ratio", type=float, default=4.0, help="block generation time / learner step time")
     ap.add_argument("--tail-prob", type=float, default=0.0, help="heavy-tail run: P(a sample is 10x longer)")
@@ -69,6 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cluster", action="store_true", help="run on a simulated 2-node Ray cluster")
     ap.add_argument("--cache-dir", default=".asyncrl_cache")
     ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
+    ap.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="config overrides for every run, e.g. pipeline.fuse_scoring=true",
+    )
     args = ap.parse_args(argv)
 
     import ray
@@ -104,10 +175,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "telemetry.progress=false",
             "telemetry.tensorboard=false",
             *placement,
+            *args.extra,
         ]
         return load_config(CONFIG, [*base, *more])
 
     figures: dict[str, Any] = {"cluster": args.cluster, "steps": args.steps, "ratio": args.ratio}
+    busy = BusyCores().__enter__()
+    figures["cores"] = busy.cores
     try:
         cal = run(cfg_for("calibrate", "pipeline.max_lag=0", "pipeline.generators=1"))
         B = cal.config.train.batch_size
@@ -131,13 +205,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"pipeline.engine_options={{latency_s: {latency:.4f}}}",
                     )
                 )
-                rate = steady_rate(read_metrics(res.run_dir))
+                metrics = read_metrics(res.run_dir)
+                rate = steady_rate(metrics)
                 ideal = min(n * B / latency, learner_rate)
-                rows.append((n, S, rate, ideal))
-                figures[f"g{n}_lag{S}"] = {"samples_per_s": rate, "ideal": ideal, "frac": rate / ideal}
+                cores_busy = busy.between(*steady_window(metrics))
+                rows.append((n, S, rate, ideal, cores_busy))
+                figures[f"g{n}_lag{S}"] = {
+                    "samples_per_s": rate,
+                    "ideal": ideal,
+                    "frac": rate / ideal,
+                    "cores_busy": cores_busy,
+                }
                 print(
-                    f"  generators={n} max_lag={S}: {rate:.1f} samples/s = "
-                    f"{rate / ideal:.0%} of ideal {ideal:.1f}"
+                    f"  generators={n} max_lag={S}: {rate:.1f} samples/s = {rate / ideal:.0%} of ideal "
+                    f"{ideal:.1f}; {fmt_busy(cores_busy)} of {busy.cores} cores busy"
                 )
         if args.tail_prob > 0:
             n, S = max(args.generators), max(args.lags)
@@ -196,17 +277,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"(in order, at lag <= S)"
             )
     finally:
+        busy.__exit__()
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
 
     where = "simulated 2-node cluster (generators on node 2)" if args.cluster else "local Ray"
     print(f"\n{where}; tiny preset, B={B}, {args.steps} steps, block = {args.ratio:g} learner steps")
-    header = "generators " + " ".join(f"{f'max_lag={S}':>14s}" for S in args.lags) + "   ideal"
+    print(f"samples/s (% of ideal, cores busy of {busy.cores})")
+    header = "generators " + " ".join(f"{f'max_lag={S}':>21s}" for S in args.lags) + "   ideal"
     print(header)
     for n in args.generators:
         cells = [next(r for r in rows if r[0] == n and r[1] == S) for S in args.lags]
-        line = " ".join(f"{r[2]:7.1f} ({r[2] / r[3]:3.0%})" for r in cells)
+        line = " ".join(f"{r[2]:7.1f} ({r[2] / r[3]:4.0%}, {fmt_busy(r[4])})" for r in cells)
         print(f"{n:10d} {line} {cells[0][3]:7.1f}")
     if 1 in args.generators:
         # the pipeline's own cost per block (admission, weights, Ray Data hand-offs, scoring) is
@@ -226,6 +309,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return figures
+
+
+def fmt_busy(cores: float | None) -> str:
+    return "n/a" if cores is None else f"{cores:.2f}"
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ seed 0, ``--steps`` optimizer steps:
   lag0_dense   asyncrl.run(...), pipeline.max_lag=0, dense forward KL
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
   lag2_top16   asyncrl.run(...), pipeline.max_lag=2, the demo default (top-16 forward KL, tail bucket)
+  lag2_fused   the same with pipeline.fuse_scoring=true: generation and scoring in one actor, the
+               learner in the other process (one Ray Data hand-off fewer per block)
 
 What TRL is configured to do, checked in trl 1.16.0's source (site-packages/trl):
   * on-policy, every step: with gradient_accumulation_steps=1, ``_prepare_inputs``
@@ -107,6 +109,12 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=2`, top-16 forward KL (demo default)",
         "pipeline",
         ["pipeline.max_lag=2"],
+        1,
+    ),
+    "lag2_fused": (
+        "asyncrl `max_lag=2`, top-16, `fuse_scoring` (generate + score in one actor)",
+        "pipeline",
+        ["pipeline.max_lag=2", "pipeline.fuse_scoring=true"],
         1,
     ),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,36 @@ def test_samples_are_durable_per_call_and_consolidated_on_close(tmp_path: Path) 
     assert table.num_rows == 6
     assert table.column("reward").to_pylist() == [1.0, 1.0, 1.0, None, None, None]
     assert table.column("step").to_pylist() == [1, 1, 1, 2, 2, 2]
+
+
+def test_buffered_samples_are_one_part_per_flush_and_a_resume_keeps_what_was_flushed(tmp_path: Path) -> None:
+    w = RunWriter(tmp_path, tensorboard=False, samples_flush_s=3600.0)
+    w.log_samples(_samples(1, reward=np.ones(3)))
+    w.log_samples(_samples(2))
+    assert read_samples(tmp_path) is None  # buffered: nothing on disk before a flush
+    w.flush_samples()  # what the learner does before a checkpoint
+    w.flush_samples()  # nothing buffered: no empty part
+    parts = sorted((tmp_path / names.SAMPLES_PARTS_DIR).iterdir())
+    assert [p.name for p in parts] == ["part-000000.parquet"]
+    assert read_samples(tmp_path).column("reward").to_pylist() == [1.0] * 3 + [None] * 3
+    w.log_samples(_samples(3))  # after the "checkpoint", then the process dies: never written
+    del w
+    with RunWriter(
+        tmp_path, tensorboard=False, resume=True, truncate_after_step=2, samples_flush_s=3600.0
+    ) as w2:
+        w2.log_samples(_samples(3))  # the resumed run re-logs step 3 once
+    assert read_samples(tmp_path).column("step").to_pylist() == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+
+
+def test_buffered_samples_are_written_once_the_oldest_row_is_flush_s_old(tmp_path: Path) -> None:
+    w = RunWriter(tmp_path, tensorboard=False, samples_flush_s=0.05)
+    w.log_samples(_samples(1))
+    assert read_samples(tmp_path) is None
+    time.sleep(0.06)
+    w.log_samples(_samples(2))  # the oldest buffered row is now older than 0.05 s: both written
+    assert read_samples(tmp_path).num_rows == 6
+    with pytest.raises(ValueError, match="samples_flush_s"):
+        RunWriter(tmp_path / "x", tensorboard=False, samples_flush_s=-1.0)
 
 
 def test_log_samples_rejects_ragged_and_2d_columns(tmp_path: Path) -> None:

@@ -219,9 +219,21 @@ class TelemetryConfig:
     grad_cos_prev: bool = field(
         False, help="log grad/cos_prev, the cosine between consecutive applied gradients (keeps one copy)"
     )
+    memory_every_s: float = field(
+        10.0,
+        help="seconds between mem/* samples (a raylet RPC and a read per Ray worker, ~5 ms: off the "
+        "per-step path); the first step always has one; 0: every step",
+    )
+    samples_flush_s: float = field(
+        5.0,
+        help="the learner buffers samples.parquet rows and writes a part at most this often, and before "
+        "every checkpoint (a part per step cost ~4 ms of the learner's step); 0: a part per step",
+    )
 
     def __post_init__(self) -> None:
         check(self.grad_every >= 1, "grad_every", self.grad_every, "use an integer >= 1")
+        check(self.memory_every_s >= 0, "memory_every_s", self.memory_every_s, "use seconds >= 0")
+        check(self.samples_flush_s >= 0, "samples_flush_s", self.samples_flush_s, "use seconds >= 0")
 
 
 @dataclass(frozen=True)

@@ -173,6 +173,7 @@ class Learner:
         self.ledger.append(self.comm.all_cat(torch.from_numpy(batch[R.SAMPLE_ID])).numpy())
 
     def checkpoint(self, *, aborted: bool = False) -> None:
+        self.steps.flush()  # the sample rows the checkpoint's ledger keeps are on disk before it
         books = self.publisher.books() if self.rank0 else None  # after every publication so far
         self.checkpoints.save(self.version, self.parts, self.ledger, self.counters, books, aborted=aborted)
 

@@ -15,7 +15,10 @@ nor train a sample later than the controller chain admitted it for. ``max_lag = 
 synchronous on-policy training through the same graph.
 
 Latency choices (measured in shared/research/raydata_latency.md): one task in flight per
-actor (Ray Data's default of 2 keeps a gated task active and adds 100 ms ticks), consumer
+actor (Ray Data's default of 2 keeps a gated task active and adds 100 ms ticks; with the executor
+patch a second task saved 5-7 % of throughput, but 4 generators at ``max_lag=0`` then stalled
+after step 5: block 5 was admitted and never reached the learner, while the other actors' queued
+tasks waited for admission; cause not pinned down, so one it stays, 2026-12-01), consumer
 ``prefetch_batches=0`` (lock-step deadlocks otherwise), no shard locality (deadlocks with
 small blocks), and with one learner worker the executor runs inside that worker
 (``datasets_to_split=[]``), which skips the OutputSplitter hop.

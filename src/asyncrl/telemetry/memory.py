@@ -6,10 +6,15 @@ the bytes the node's object store holds. The worker list and the store figures c
 raylet's ``GetNodeStats`` (one local RPC, ~3 ms measured); Ray has no public API for either
 figure, so a Ray version without it leaves those two metrics out with one warning, while the
 learner's own RSS is always logged.
+
+Sampled at most every ``every_s`` seconds (``telemetry.memory_every_s``), not every step: the
+raylet RPC opens a gRPC channel per call and each worker's RSS is a /proc read, together ~5 ms,
+which was 10-15 % of the tiny preset's learner step. A leak shows over minutes, not steps.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any
 
@@ -22,10 +27,12 @@ OBJECT_STORE = "mem/object_store_mb"
 class MemoryProbe:
     """Samples the ``mem/*`` figures; one per learner rank 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_s: float = 0.0) -> None:
         import psutil
 
         self.process = psutil.Process()
+        self.every_s = every_s
+        self._last: float | None = None  # when the last sample was taken (monotonic)
         self._raylet: tuple[str, int] | None = None
         self._ray_failed = False
 
@@ -39,9 +46,14 @@ class MemoryProbe:
             self._raylet = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
         return node_stats(*self._raylet, include_memory_info=False)
 
+    def due(self) -> bool:
+        """Whether a sample is due: the first call, then once ``every_s`` has passed since the last."""
+        return self._last is None or time.monotonic() - self._last >= self.every_s
+
     def sample(self) -> dict[str, float]:
         import psutil
 
+        self._last = time.monotonic()
         out = {LEARNER_RSS: self.process.memory_info().rss / MB}
         if self._ray_failed:
             return out

@@ -5,10 +5,13 @@ logged must survive and must not be duplicated when it resumes from a checkpoint
 
 - ``metrics.jsonl``: one JSON object per learner step, appended and flushed per call, so a
   killed process loses at most the line being written; readers skip a torn last line.
-- samples: each ``log_samples`` call writes one Parquet part (``samples/part-NNNNNN.parquet``,
-  written to a temporary name and renamed, so a part is either whole or absent). ``close()``
-  consolidates the parts into ``samples.parquet``. Invariant: if ``samples.parquet`` exists
-  it holds every row, and leftover parts are stale copies.
+- samples: ``log_samples`` rows go to one Parquet part (``samples/part-NNNNNN.parquet``,
+  written to a temporary name and renamed, so a part is either whole or absent) per call, or,
+  with ``samples_flush_s > 0``, per flush: rows are buffered and written when the oldest is that
+  old, at ``flush_samples()`` and at ``close()`` (the learner flushes before every checkpoint,
+  so what a resume keeps is always on disk; buffered rows of steps after the last checkpoint
+  are the ones a resume re-runs). ``close()`` consolidates the parts into ``samples.parquet``.
+  Invariant: if ``samples.parquet`` exists it holds every row, and leftover parts are stale copies.
 - resume: ``RunWriter(..., resume=True, truncate_after_step=s)`` keeps the records of steps
   ``<= s`` (the last step the checkpoint includes) and drops later ones before appending, so
   the re-run steps are logged exactly once.
@@ -120,6 +123,10 @@ class RunWriter:
         keep_sample_ids: with ``resume``, the checkpoint's ledger: exactly the sample rows whose
             ``sample_id`` it holds are kept (instead of cutting them by step), so the rows match
             the ledger also when the checkpoint follows consumptions that took no step.
+        samples_flush_s: 0 (default): every ``log_samples`` call is durable when it returns.
+            ``> 0``: rows are buffered and written as one part once the oldest buffered row is
+            that many seconds old, at ``flush_samples()`` and at ``close()``: a Parquet part per
+            learner step costs milliseconds of the step (measured ~4 ms at B = 64 on 2 cores).
     """
 
     def __init__(
@@ -130,8 +137,14 @@ class RunWriter:
         resume: bool = False,
         truncate_after_step: int | None = None,
         keep_sample_ids: np.ndarray | None = None,
+        samples_flush_s: float = 0.0,
     ) -> None:
+        if samples_flush_s < 0:
+            raise ValueError(f"samples_flush_s must be >= 0 seconds, got {samples_flush_s}")
         self.run_dir = Path(run_dir)
+        self._flush_s = samples_flush_s
+        self._buffer: list[pa.Table] = []
+        self._buffered_at = 0.0  # when the oldest buffered row arrived (monotonic)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / names.METRICS_FILE
         self._parts_dir = self.run_dir / names.SAMPLES_PARTS_DIR
@@ -235,10 +248,11 @@ class RunWriter:
 
     # --- per sample ------------------------------------------------------------------------
     def log_samples(self, columns: Mapping[str, Any]) -> None:
-        """Write one Parquet part with one row per sample. ``columns`` maps a name to a [N] array.
+        """Log one row per sample. ``columns`` maps a name to a [N] array.
 
-        Durable when it returns: the part is written under a temporary name and renamed.
-        Torch tensors are accepted (detached, moved to CPU). Columns: ``names.SAMPLE_COLUMNS``.
+        Durable when it returns (``samples_flush_s = 0``; else at the next flush): the part is
+        written under a temporary name and renamed. Torch tensors are accepted (detached, moved
+        to CPU). Columns: ``names.SAMPLE_COLUMNS``.
         """
         self._check_open()
         arrays: dict[str, np.ndarray] = {}
@@ -254,12 +268,26 @@ class RunWriter:
             raise ValueError(f"samples columns must have one length N; got {lengths}")
         if not arrays or next(iter(lengths.values())) == 0:
             return
+        now = time.monotonic()
+        if not self._buffer:
+            self._buffered_at = now
+        self._buffer.append(pa.table(arrays))
+        if now - self._buffered_at >= self._flush_s:
+            self.flush_samples()
+
+    def flush_samples(self) -> None:
+        """Write the buffered sample rows as one Parquet part (nothing if none are buffered)."""
+        self._check_open()
+        if not self._buffer:
+            return
+        table = self._buffer[0] if len(self._buffer) == 1 else _concat(self._buffer)
         self._parts_dir.mkdir(exist_ok=True)
         part = self._parts_dir / f"part-{self._next_part:06d}.parquet"
         tmp = part.with_name(part.name + ".tmp")
-        pq.write_table(pa.table(arrays), tmp)
+        pq.write_table(table, tmp)
         os.replace(tmp, part)
         self._next_part += 1
+        self._buffer = []
 
     # --- end of run ------------------------------------------------------------------------
     def write_summary(self, summary: Mapping[str, Any]) -> None:
@@ -270,6 +298,7 @@ class RunWriter:
         """Flush everything and consolidate the sample parts into ``samples.parquet``. Idempotent."""
         if self._closed:
             return
+        self.flush_samples()
         self._closed = True
         self._metrics_file.close()
         if self._tb is not None:

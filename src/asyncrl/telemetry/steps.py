@@ -175,8 +175,9 @@ class StepLogger:
                 resume=resumed is not None,
                 truncate_after_step=resumed.version if resumed else 0,
                 keep_sample_ids=resumed.ledger if resumed else None,
+                samples_flush_s=cfg.telemetry.samples_flush_s,
             )
-            self.memory = MemoryProbe()
+            self.memory = MemoryProbe(cfg.telemetry.memory_every_s)
             tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
             self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
         self.eval_time = 0.0
@@ -228,7 +229,8 @@ class StepLogger:
         now = time.perf_counter()
         dt = now - self.t_prev
         metrics.update(bucket_metrics(rows))
-        metrics.update(self.memory.sample())
+        if self.memory.due():
+            metrics.update(self.memory.sample())
         metrics.update(
             {
                 N.VERSION: float(result.version),
@@ -252,6 +254,11 @@ class StepLogger:
         acc, dt = self.evaluator(self.model)
         self.eval_time += dt
         return acc
+
+    def flush(self) -> None:
+        """Make every logged sample row durable (before a checkpoint: what a resume keeps is on disk)."""
+        if self.rank0:
+            self.writer.flush_samples()
 
     def close(self) -> None:
         if self.rank0:
