@@ -75,6 +75,9 @@ BENCHES = [
         "scaling",
         "Scale-out (generators, scorers, learner workers)",
         "scaling.py",
+        ["--batch", "64"],
+        ["--generators", "1", "2", "--lags", "0", "2", "--steps", "24"],
+        uses_cache=True,
         about="added by the scale-out work",
     ),
     Bench(
