@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from asyncrl.telemetry.memory import LEARNER_RSS, MemoryProbe
+from asyncrl.telemetry.memory import LEARNER_RSS, WORKERS_RSS, MemoryProbe
 
 
 def _sample(probe: MemoryProbe) -> dict[str, float]:
@@ -14,10 +14,13 @@ def _sample(probe: MemoryProbe) -> dict[str, float]:
 
 
 def test_first_sample_is_due_then_only_after_every_s() -> None:
+    import ray
+
     probe = MemoryProbe(every_s=3600.0)
     assert probe.due()
     out = _sample(probe)
-    assert out[LEARNER_RSS] > 0
+    assert out[LEARNER_RSS] > 0 and WORKERS_RSS not in out  # no Ray here: only the learner's own RSS
+    assert not ray.is_initialized()  # sampling never starts a Ray instance (it did: auto-init)
     assert not probe.due()
 
 

@@ -40,6 +40,8 @@ class MemoryProbe:
         import ray
         from ray._private.internal_api import node_stats
 
+        if not ray.is_initialized():  # never start a Ray instance just to read its memory
+            raise RuntimeError("this process is not connected to Ray")
         if self._raylet is None:
             me = ray.get_runtime_context().get_node_id()
             node = next(n for n in ray.nodes() if n["NodeID"] == me)
