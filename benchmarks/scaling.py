@@ -47,29 +47,33 @@ from typing import Any
 from asyncrl.config import load_config
 from asyncrl.pipeline import run
 from asyncrl.simulator import SimConfig, simulate
+from asyncrl.telemetry import names as N
 from asyncrl.telemetry.sinks import read_metrics
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_tiny.yaml"
 PACED = "asyncrl.engines.paced:PacedEngine"
 
 
+def steady_steps(metrics: list[dict[str, Any]], skip_frac: float = 0.25) -> list[dict[str, Any]]:
+    """The step records from step ``k0 - 1 = skip_frac * steps - 1`` (the window's start) to the last."""
+    steps = [m for m in metrics if "samples/kept" in m]
+    return steps[max(1, int(len(steps) * skip_frac)) - 1 :]
+
+
 def steady_rate(metrics: list[dict[str, Any]], skip_frac: float = 0.25) -> float:
     """Samples/s between step ``k0 = skip_frac * steps`` and the last step."""
-    steps = [m for m in metrics if "samples/kept" in m]
-    k0 = max(1, int(len(steps) * skip_frac))
-    first, last = steps[k0 - 1], steps[-1]
-    n = sum(m["samples/kept"] for m in steps[k0:])
-    return n / (last["time_s"] - first["time_s"])
+    window = steady_steps(metrics, skip_frac)
+    n = sum(m["samples/kept"] for m in window[1:])
+    return n / (window[-1]["time_s"] - window[0]["time_s"])
 
 
 def steady_window(metrics: list[dict[str, Any]], skip_frac: float = 0.25) -> tuple[float, float]:
     """Epoch seconds of ``steady_rate``'s window: step ``k0`` and the last step (the first step's
     record carries its epoch time, ``time/first_step_at``, beside its ``time_s``)."""
-    steps = [m for m in metrics if "samples/kept" in m]
-    k0 = max(1, int(len(steps) * skip_frac))
-    first = next(m for m in steps if "time/first_step_at" in m)
-    offset = first["time/first_step_at"] - first["time_s"]
-    return offset + steps[k0 - 1]["time_s"], offset + steps[-1]["time_s"]
+    first = next(m for m in metrics if N.FIRST_STEP_AT in m)
+    offset = first[N.FIRST_STEP_AT] - first["time_s"]
+    window = steady_steps(metrics, skip_frac)
+    return offset + window[0]["time_s"], offset + window[-1]["time_s"]
 
 
 class BusyCores:
@@ -100,11 +104,11 @@ class BusyCores:
                 self.samples.append((time.time(), *read))
             self._stop.wait(self.every_s)
 
-    def __enter__(self) -> BusyCores:
+    def start(self) -> BusyCores:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return load_config(CONFIG, [*base, *more])
 
     figures: dict[str, Any] = {"cluster": args.cluster, "steps": args.steps, "ratio": args.ratio}
-    busy = BusyCores().__enter__()
+    busy = BusyCores().start()
     figures["cores"] = busy.cores
     try:
         cal = run(cfg_for("calibrate", "pipeline.max_lag=0", "pipeline.generators=1"))
@@ -277,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"(in order, at lag <= S)"
             )
     finally:
-        busy.__exit__()
+        busy.stop()
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
