@@ -62,7 +62,7 @@ def vs_trl(regime: str, what: str) -> Bench:
 
 BENCHES = [
     vs_trl("short", "addition, 6 new tokens"),
-    vs_trl("long", "running_sum, 33 new tokens"),
+    vs_trl("long", "running_sum, 33 new tokens, tiny pair"),
     Bench(
         "async_vs_sync",
         "asyncrl plain loop vs max_lag=0 vs max_lag=2",

@@ -127,3 +127,72 @@ def test_char_prompt_ids_are_bos_plus_text_for_any_text(text: str) -> None:
     from asyncrl.workloads.tasks import prompt_token_ids
 
     assert prompt_token_ids(TOK, [text])[0] == TOK(text)["input_ids"]
+
+
+# --- load_tokenizer: AutoTokenizer's result without its model-config import ---------------------------
+def _saved(tmp_path, tok, model_type: str):
+    import json
+
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return tmp_path
+
+
+TEXTS = ["", "12+34=", "Hello, World! 12+34=046", "<eos>1", "é~\t"]
+
+
+def _same_tokenizer(fast, auto) -> None:
+    assert type(fast) is type(auto) and fast.get_vocab() == auto.get_vocab()
+    assert fast.all_special_ids == auto.all_special_ids and fast.padding_side == auto.padding_side
+    assert fast.chat_template == auto.chat_template
+    assert fast(TEXTS)["input_ids"] == auto(TEXTS)["input_ids"]
+
+
+def test_load_tokenizer_is_autotokenizer_for_the_char_tokenizer(tmp_path_factory) -> None:
+    """Same class, vocabulary, special ids, padding side, chat template and ids as AutoTokenizer,
+    under every built-in model type."""
+    from asyncrl.workloads.checkpoints import _generic_tokenizer, load_tokenizer
+
+    for model_type in ("llama", "gpt2", "qwen3"):
+        d = _saved(tmp_path_factory.mktemp(model_type), TOK, model_type)
+        assert _generic_tokenizer(d)  # the fast path is the one under test
+        _same_tokenizer(load_tokenizer(d), AutoTokenizer.from_pretrained(d, local_files_only=True))
+
+
+def test_load_tokenizer_is_autotokenizer_for_the_qwen_tokenizer(tmp_path) -> None:
+    from asyncrl.workloads.checkpoints import _generic_tokenizer, load_tokenizer
+
+    d = _saved(tmp_path, _qwen(), "qwen3")
+    assert _generic_tokenizer(d)
+    _same_tokenizer(load_tokenizer(d), AutoTokenizer.from_pretrained(d, local_files_only=True))
+
+
+def test_load_tokenizer_defers_to_autotokenizer_where_it_may_differ(tmp_path, monkeypatch) -> None:
+    """A model type on AutoTokenizer's override list, another tokenizer class, remote code or no
+    config.json: AutoTokenizer decides (the fast path would be a guess)."""
+    import json
+
+    from transformers.models.auto import tokenization_auto
+
+    from asyncrl.workloads import checkpoints
+    from asyncrl.workloads.checkpoints import _generic_tokenizer, load_tokenizer
+
+    d = _saved(tmp_path, TOK, "llama")
+    assert _generic_tokenizer(d)
+    overridden = next(iter(tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS))
+    (d / "config.json").write_text(json.dumps({"model_type": overridden}))
+    assert not _generic_tokenizer(d)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    tok_cfg = json.loads((d / "tokenizer_config.json").read_text())
+    other_class = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for change in (other_class, {"auto_map": {"AutoTokenizer": ["x"]}}):
+        (d / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, **change}))
+        assert not _generic_tokenizer(d)
+    (d / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (d / "config.json").unlink()
+    assert not _generic_tokenizer(d)
+    calls = []
+    real = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert load_tokenizer(d).get_vocab() == TOK.get_vocab() and len(calls) == 1
+    assert checkpoints.GENERIC_TOKENIZER == "TokenizersBackend"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -320,9 +321,8 @@ class StreamFactory:
     store_name: str
 
     def __call__(self) -> Any:
-        from transformers import AutoTokenizer
-
         from asyncrl.coordinator import PolicyStoreClient
+        from asyncrl.workloads.checkpoints import load_tokenizer
 
         cfg = self.plan.cfg
         ckpt = checkpoint.latest(cfg.run_dir)
@@ -337,7 +337,7 @@ class StreamFactory:
             return build_dataset(
                 self.plan, None, self.namespace, self.store_name, stream=stream, skip_ids=skip
             )
-        tokenizer = AutoTokenizer.from_pretrained(self.plan.models.student_dir, local_files_only=True)
+        tokenizer = load_tokenizer(self.plan.models.student_dir)
         train_ex, _ = load_examples(cfg)
         width = cfg.workload.max_prompt_tokens or self.plan.max_prompt_len
         blocks = prompt_blocks(cfg, train_ex, tokenizer, width, skip)
@@ -385,6 +385,24 @@ def prepare_run_dir(plan: RunPlan) -> None:
             )
 
 
+def import_run_modules() -> None:
+    """Import what ``run`` needs after Ray's start (``run`` calls it in a thread beside
+    ``ray.init``). A failed import is left for ``run``'s own import statement to raise."""
+    import importlib
+
+    for name in (
+        "ray.train.torch",
+        "asyncrl.learner",
+        "asyncrl.coordinator",
+        "asyncrl.telemetry.summary",
+        "asyncrl.telemetry.sinks",
+    ):
+        try:
+            importlib.import_module(name)
+        except Exception:  # re-raised where run imports it
+            return
+
+
 def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunResult:
     """Run a whole pipeline; returns the run directory and its summary. See the module docstring.
 
@@ -395,15 +413,6 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     sweep's, one row per run), else in a display of its own (``telemetry.progress``)."""
     apply_env()
     import ray
-    from ray.train import DataConfig, FailureConfig, ScalingConfig
-    from ray.train import RunConfig as TrainRunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from asyncrl.coordinator import PolicyStore
-    from asyncrl.learner import LearnerSpec, train_loop_per_worker
-    from asyncrl.telemetry import names as N
-    from asyncrl.telemetry.sinks import write_summary
-    from asyncrl.telemetry.summary import failed_summary, summarize
 
     marks = {"run_started_at": time.time(), "process_started_at": process_started_at()}
     if not isinstance(cfg, RunConfig):
@@ -418,9 +427,24 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     save_config(cfg, run_dir / "config.yaml")
     _, eval_ex = load_examples(cfg)
 
+    # the driver's remaining imports (Ray Train, the learner, pandas: about 2 s of CPU) run while
+    # ray.init waits for Ray's processes, on the core it leaves idle
+    imports = threading.Thread(target=import_run_modules, name="asyncrl-imports", daemon=True)
+    imports.start()
     marks["ray_started_at"] = time.time()
     started = init_ray(cfg)
     marks["ray_ready_at"] = time.time()
+    imports.join()
+    from ray.train import DataConfig, FailureConfig, ScalingConfig
+    from ray.train import RunConfig as TrainRunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from asyncrl.coordinator import PolicyStore
+    from asyncrl.learner import LearnerSpec, train_loop_per_worker
+    from asyncrl.telemetry import names as N
+    from asyncrl.telemetry.sinks import write_summary
+    from asyncrl.telemetry.summary import failed_summary, summarize
+
     namespace = ray.get_runtime_context().namespace
     store_name = f"asyncrl-store-{uuid.uuid4().hex[:8]}"
     pc = cfg.pipeline

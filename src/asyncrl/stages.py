@@ -179,13 +179,12 @@ class ScoreReward:
     """Reward stage for RL (and task accuracy telemetry in OPD): decode, verify, score."""
 
     def __init__(self, *, task: str, tokenizer_dir: str, faults: Faults = NO_FAULTS) -> None:
-        from transformers import AutoTokenizer
-
+        from asyncrl.workloads.checkpoints import load_tokenizer
         from asyncrl.workloads.tasks import get_task, reward_function
 
         self.task = get_task(task)
         self.reward = reward_function(self.task)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        self.tokenizer = load_tokenizer(tokenizer_dir)
         self.faults = faults
         self.blocks = 0
 

@@ -347,9 +347,9 @@ class StreamBlocks:
         skip_ids: np.ndarray | None,
         read_timeout_s: float | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
+        from asyncrl.workloads.checkpoints import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        tokenizer = load_tokenizer(tokenizer_dir)
         self.stream = FileStream(
             source,
             tokenizer,

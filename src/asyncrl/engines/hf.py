@@ -90,7 +90,9 @@ class HFEngine:
 
         ``torch_threads`` sets ``torch.set_num_threads`` (one engine per Ray actor).
         """
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from asyncrl.workloads.checkpoints import load_tokenizer
 
         p = checkpoint_dir(path)
         if torch_threads is not None:
@@ -103,7 +105,7 @@ class HFEngine:
             kw["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(p), **kw).to(device)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+            tokenizer = load_tokenizer(str(p))
         except (OSError, ValueError) as err:
             raise FileNotFoundError(
                 f"{str(p)!r} has no loadable tokenizer ({err}); save one with tokenizer.save_pretrained(dir)"

@@ -163,10 +163,9 @@ class StepLogger:
         self.marks: dict[str, float] | None = {}
         self.writer = self.evaluator = self.memory = None
         if self.rank0:
-            from transformers import AutoTokenizer
-
             from asyncrl.telemetry.memory import MemoryProbe
             from asyncrl.telemetry.sinks import RunWriter
+            from asyncrl.workloads.checkpoints import load_tokenizer
             from asyncrl.workloads.evaluate import Evaluator
 
             self.writer = RunWriter(
@@ -178,7 +177,7 @@ class StepLogger:
                 samples_flush_s=cfg.telemetry.samples_flush_s,
             )
             self.memory = MemoryProbe(cfg.telemetry.memory_every_s)
-            tokenizer = AutoTokenizer.from_pretrained(spec.student_dir, local_files_only=True)
+            tokenizer = load_tokenizer(spec.student_dir)
             self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
         self.eval_time = 0.0
         self.t_run0 = self.t_prev = time.perf_counter()

@@ -89,14 +89,58 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
+#: the generic tokenizer class that ``AutoTokenizer`` returns as named for any model type outside
+#: its override lists (transformers 5: what ``save_pretrained`` of a ``tokenizers`` tokenizer writes)
+GENERIC_TOKENIZER = "TokenizersBackend"
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``, without importing the
+    model's modelling code where that cannot change the result.
+
+    Why: ``AutoTokenizer`` always loads the model's config class (``AutoConfig``) to choose the
+    tokenizer class, and in transformers 5 that imports the modelling stack (torch.distributed,
+    dynamo, scipy): about 1.7 s of CPU in every process that only needs a tokenizer, such as
+    the driver and Ray Train's controller, which all start at once on the same cores. When
+    ``tokenizer_config.json`` names ``GENERIC_TOKENIZER`` without ``auto_map`` and
+    ``config.json``'s model type is on none of ``AutoTokenizer``'s override lists (model types
+    with a wrong hub class, Mistral's own backend), ``AutoTokenizer`` returns that class as it
+    is, so it is loaded directly. Everything else goes through ``AutoTokenizer``."""
+    p = Path(path)
+    if _generic_tokenizer(p):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(p), local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+
+def _generic_tokenizer(p: Path) -> bool:
+    """``load_tokenizer``'s test: would ``AutoTokenizer`` load ``p`` as ``GENERIC_TOKENIZER``?"""
+    try:
+        tok_cfg = json.loads((p / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if tok_cfg.get("tokenizer_class") != GENERIC_TOKENIZER or "auto_map" in tok_cfg:
+        return False
+    from transformers.models.auto import tokenization_auto as auto
+
+    model_type = model_cfg.get("model_type") or ""
+    names = {model_type, model_cfg.get("model_name") or ""}
+    overridden = auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    registered = auto.TOKENIZER_MAPPING_NAMES.get(model_type) or ""
+    return bool(model_type) and not (names & overridden) and "Mistral" not in registered
+
+
 def load_model(path: str | Path, *, role: str = "model", hint: str = "", dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)`` from a complete checkpoint directory, local files only, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     p = check_complete(path, role=role, hint=hint)
     model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    return model, tokenizer
+    return model, load_tokenizer(p)
 
 
 def load_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = "") -> tuple[Any, Any, Any]:
@@ -178,8 +222,6 @@ def check_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = 
     intact, one vocabulary (tokenizers and output sizes). Returns the student's tokenizer.
 
     What ``asyncrl validate`` and the driver run before any process starts."""
-    from transformers import AutoTokenizer
-
     hint = hint or _pretrain_hint(teacher_dir, student_dir)
     toks = {}
     for role, d in (("teacher", teacher_dir), ("student", student_dir)):
@@ -188,7 +230,7 @@ def check_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = 
         if bad:
             raise CheckpointError(f"{role} checkpoint {str(d)!r}: {bad[0]}; re-save it with save_pretrained")
         try:
-            toks[role] = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+            toks[role] = load_tokenizer(str(d))
         except Exception as err:  # tokenizer files that do not parse: name the directory
             reason = " ".join(str(err).split())[:200]
             raise CheckpointError(
