@@ -166,15 +166,26 @@ def run_bench(b: Bench, args: argparse.Namespace, work: Path) -> tuple[str, bool
 
 
 def kept_sections(path: Path, replaced: set[str]) -> dict[str, str]:
-    """Sections of an existing BENCHMARKS.md by title, except those about to be regenerated."""
+    """Sections of an existing BENCHMARKS.md by title, except those about to be regenerated.
+    A section starts at a ``## `` line outside a code fence: a benchmark's printed output (in a
+    fence) has ``## `` headings of its own (estimators.py's ``## V=...``)."""
     if not path.exists():
         return {}
-    chunks = path.read_text().split("\n## ")[1:]
+    sections: list[list[str]] = []
+    fenced = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if line.startswith("## ") and not fenced:
+            sections.append([])
+        if sections:
+            sections[-1].append(line)
     out = {}
-    for chunk in chunks:
-        title = chunk.split("\n", 1)[0].strip()
+    for lines in sections:
+        title = lines[0][3:].strip()
+        body = "\n".join(ln for ln in lines if not ln.startswith("_Regeneration in progress")).rstrip()
         if title not in replaced:
-            out[title] = "## " + chunk.rstrip() + "\n"
+            out[title] = body + "\n"
     return out
 
 

@@ -23,6 +23,8 @@ seed 0, ``--steps`` optimizer steps:
   plain        asyncrl's parts in one process, one thread, dense forward KL
                (the plain loop of benchmarks/async_vs_sync.py, imported)
   lag0_dense   asyncrl.run(...), pipeline.max_lag=0, dense forward KL
+  lag0_fused   the same with pipeline.fuse_scoring=true: in lock-step nothing overlaps a block's
+               scoring anyway, so generating and scoring it in one actor only removes a hand-off
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
   lag2_top16   asyncrl.run(...), pipeline.max_lag=2, the demo default (top-16 forward KL, tail bucket)
   lag2_fused   the same with pipeline.fuse_scoring=true: generation and scoring in one actor, the
@@ -107,6 +109,12 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
     "trl_1t": ("TRL DistillationTrainer, 1 thread", "trl", DENSE, 1),
     "plain": ("asyncrl plain single-process loop, dense forward KL", "plain", DENSE, 1),
     "lag0_dense": ("asyncrl `max_lag=0`, dense forward KL", "pipeline", ["pipeline.max_lag=0", *DENSE], 1),
+    "lag0_fused": (
+        "asyncrl `max_lag=0`, dense forward KL, `fuse_scoring`",
+        "pipeline",
+        ["pipeline.max_lag=0", "pipeline.fuse_scoring=true", *DENSE],
+        1,
+    ),
     "lag2_dense": ("asyncrl `max_lag=2`, dense forward KL", "pipeline", ["pipeline.max_lag=2", *DENSE], 1),
     "lag2_top16": (
         "asyncrl `max_lag=2`, top-16 forward KL (demo default)",

@@ -5,7 +5,8 @@ The matrix is generators x scorers x learner workers x max_lag in {1,2,3} x {1,2
 {0,1,2}. The sampled cells below run by default (2 generators + 2 learner workers at max_lag 0,
 the configuration that used to stall; 3 generators at max_lag 1; and the shipped GRPO config with
 its controllers on 2 generators, 2 reward scorers and 2 learner workers: composition at scale);
-the whole matrix runs with ``-m slow``. Also: fixed-lag mode with several generators.
+the whole matrix runs with ``-m slow``. Also: fixed-lag mode with several generators, and
+``pipeline.fuse_scoring`` (one sampled cell; its matrix and GRPO's rewards with ``-m slow``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ STEPS = 6
 #: the cells CI runs (every S, 1-3 generators, 1-2 scorers and workers); the rest run with -m slow
 SAMPLED = [(2, 2, 2, 0), (3, 1, 1, 1)]  # (generators, scorers, workers, S)
 MATRIX = [c for c in itertools.product([1, 2, 3], [1, 2], [1, 2], [0, 1, 2]) if c not in SAMPLED]
+#: ``pipeline.fuse_scoring`` (each generator actor scores its own blocks; teacher_scorers is then 1)
+#: as (generators, learner workers, S): CI runs the strictest cell, ``-m slow`` the rest
+FUSED_SAMPLED = [(2, 2, 0)]
+FUSED_MATRIX = [c for c in itertools.product([1, 2, 3], [1, 2], [0, 1, 2]) if c not in FUSED_SAMPLED]
 
 
 def run_cell(tmp_path, generators, scorers, workers, max_lag, *extra: str, config: str = "opd_tiny.yaml"):
@@ -100,6 +105,56 @@ def test_scale_out_matrix(
     whole_matrix_selected, ray_local, tiny_pair, tmp_path, generators, scorers, workers, max_lag
 ):
     check_contract(run_cell(tmp_path, generators, scorers, workers, max_lag), steps=STEPS)
+
+
+def stage_graph(cfg) -> str:
+    """The Ray Data graph ``run`` builds for ``cfg``, as Ray prints it (lazy: nothing executes)."""
+    from asyncrl.pipeline import build_dataset
+    from asyncrl.plan import make_plan
+
+    return str(build_dataset(make_plan(cfg), [{"x": np.zeros(1, np.int64)}], "unused", "unused"))
+
+
+@pytest.mark.parametrize(("generators", "workers", "max_lag"), FUSED_SAMPLED)
+def test_fused_scoring_keeps_the_contract(ray_local, tiny_pair, tmp_path, generators, workers, max_lag):
+    """``pipeline.fuse_scoring=true``: one actor pool generates and scores each block (the graph has
+    a GenerateAndScore stage and no scorer of its own), and the scale-out contract holds, strictly
+    on-policy at S = 0 with 2 generators and 2 learner workers."""
+    result = run_cell(tmp_path, generators, 1, workers, max_lag, "pipeline.fuse_scoring=true")
+    graph = stage_graph(result.config)
+    assert "GenerateAndScore" in graph and "ScoreTeacher" not in graph, graph
+    check_contract(result, steps=STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("generators", "workers", "max_lag"), FUSED_MATRIX)
+def test_fused_scoring_matrix(
+    whole_matrix_selected, ray_local, tiny_pair, tmp_path, generators, workers, max_lag
+):
+    result = run_cell(tmp_path, generators, 1, workers, max_lag, "pipeline.fuse_scoring=true")
+    check_contract(result, steps=STEPS)
+
+
+@pytest.mark.slow
+def test_fused_scoring_with_rewards(whole_matrix_selected, ray_local, tiny_pair, tmp_path):
+    """GRPO with ``fuse_scoring``: the reward stage runs in the generating actor; groups stay whole."""
+    result = run_cell(
+        tmp_path,
+        2,
+        1,
+        2,
+        1,
+        "pipeline.fuse_scoring=true",
+        "workload.preset=tiny",
+        "train.batch_size=32",
+        "train.group_size=8",
+        config="grpo.yaml",
+    )
+    graph = stage_graph(result.config)
+    assert "GenerateAndScore" in graph and "ScoreReward" not in graph, graph
+    check_contract(result, steps=STEPS)
+    kept = read_samples(result.run_dir).query("kept")
+    assert (kept.groupby("group_id").size() == 8).all()
 
 
 def test_fixed_lag_trains_every_batch_exactly_s_versions_late(ray_local, tiny_pair, tmp_path):
