@@ -60,6 +60,13 @@ def vs_trl(regime: str, what: str) -> Bench:
     )
 
 
+def long129(steps: int, stage_repeats: int, systems: list[str]) -> list[str]:
+    """``vs_trl.py`` arguments for 129-token completions (``running_sum_long``), one round."""
+    task = ["--regime", "long", "--task", "running_sum_long", "--max-new-tokens", "129"]
+    rounds = ["--steps", str(steps), "--rounds", "1", "--stage-repeats", str(stage_repeats)]
+    return [*task, *rounds, "--systems", *systems]
+
+
 BENCHES = [
     vs_trl("short", "addition, 6 new tokens"),
     vs_trl("long", "running_sum, 33 new tokens, tiny pair"),
@@ -68,43 +75,8 @@ BENCHES = [
         "asyncrl vs TRL DistillationTrainer, 129-token completions (running_sum_long, tiny pair, one round)",
         "vs_trl.py",
         # one round of the systems that answer the issue's questions: 129-token steps take ~4x longer
-        [
-            "--regime",
-            "long",
-            "--task",
-            "running_sum_long",
-            "--max-new-tokens",
-            "129",
-            "--steps",
-            "40",
-            "--rounds",
-            "1",
-            "--stage-repeats",
-            "3",
-            "--systems",
-            "trl",
-            "plain",
-            "lag0_dense",
-            "lag0_fused",
-            "lag2_dense",
-        ],
-        [
-            "--regime",
-            "long",
-            "--task",
-            "running_sum_long",
-            "--max-new-tokens",
-            "129",
-            "--steps",
-            "6",
-            "--rounds",
-            "1",
-            "--stage-repeats",
-            "1",
-            "--systems",
-            "trl",
-            "lag2_dense",
-        ],
+        long129(40, 3, ["trl", "plain", "lag0_dense", "lag0_fused", "lag2_dense"]),
+        long129(6, 1, ["trl", "lag2_dense"]),
         uses_cache=True,
         markdown_out=True,
     ),
