@@ -174,7 +174,6 @@ def test_load_tokenizer_defers_to_autotokenizer_where_it_may_differ(tmp_path, mo
 
     from transformers.models.auto import tokenization_auto
 
-    from asyncrl.workloads import checkpoints
     from asyncrl.workloads.checkpoints import _generic_tokenizer, load_tokenizer
 
     d = _saved(tmp_path, TOK, "llama")
@@ -195,4 +194,3 @@ def test_load_tokenizer_defers_to_autotokenizer_where_it_may_differ(tmp_path, mo
     real = AutoTokenizer.from_pretrained
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k))
     assert load_tokenizer(d).get_vocab() == TOK.get_vocab() and len(calls) == 1
-    assert checkpoints.GENERIC_TOKENIZER == "TokenizersBackend"

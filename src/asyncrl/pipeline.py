@@ -387,7 +387,8 @@ def prepare_run_dir(plan: RunPlan) -> None:
 
 def import_run_modules() -> None:
     """Import what ``run`` needs after Ray's start (``run`` calls it in a thread beside
-    ``ray.init``). A failed import is left for ``run``'s own import statement to raise."""
+    ``ray.init``). A failed import is left for ``run``'s own import statement to raise. Only a
+    speed-up: a module missing here is imported by ``run`` itself, serially."""
     import importlib
 
     for name in (
