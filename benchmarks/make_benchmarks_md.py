@@ -98,6 +98,22 @@ BENCHES = [
         about="added by the scale-out work",
     ),
     Bench(
+        "scaling_cluster",
+        "Scale-out on a simulated 2-node Ray cluster (generators on the second node)",
+        "scaling.py",
+        ["--batch", "64", "--cluster"],
+        ["--generators", "1", "2", "--lags", "2", "--steps", "24", "--cluster"],
+        uses_cache=True,
+    ),
+    Bench(
+        "scaling_unpadded",
+        "Scale-out with the tiny learner's own step (no learner padding: per-block CPU bound)",
+        "scaling.py",
+        ["--batch", "64", "--learner-pad-ms", "0", "--lags", "0", "4"],
+        ["--generators", "1", "2", "--lags", "2", "--steps", "24", "--learner-pad-ms", "0"],
+        uses_cache=True,
+    ),
+    Bench(
         "estimators",
         "Estimator time and peak memory against dense KL",
         "estimators.py",

@@ -6,6 +6,12 @@ tiny OPD pipeline runs with ``asyncrl.engines.paced:PacedEngine`` (by dotted pat
 each ``generate`` call to a fixed latency by sleeping (no CPU). What is measured is then the
 pipeline's own scaling: in-order admission, delivery, weight publication, the learner's loop.
 
+The learner is emulated the same way: ``asyncrl.controllers.paced:PacedStep`` sleeps
+``--learner-pad-ms`` (default 100) after every optimizer step. Unpadded, the tiny model's step is
+13-29 ms at B = 64 here, so 4 generators would have to move 35-77 blocks/s through Ray Data, the scorer
+and the learner's loader, and the cell measures the per-block CPU of two cores, not scaling (a
+learner on a cluster takes 0.1-10 s a step). ``--learner-pad-ms 0`` runs that regime.
+
 1. Calibrate: a run at ``max_lag=0`` with one plain ``hf`` generator measures the learner's
    own cost per step, ``t_L`` = median(step time - time waiting for data).
 2. Pace generation to ``latency = ratio * t_L`` per block (one rollout batch: W = 1).
@@ -52,6 +58,7 @@ from asyncrl.telemetry.sinks import read_metrics
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_tiny.yaml"
 PACED = "asyncrl.engines.paced:PacedEngine"
+PACED_STEP = "asyncrl.controllers.paced:PacedStep"
 
 
 def steady_steps(metrics: list[dict[str, Any]], skip_frac: float = 0.25) -> list[dict[str, Any]]:
@@ -133,6 +140,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--batch", type=int, default=16, help="train.batch_size B (one block per rollout batch)")
     ap.add_argument("--ratio", type=float, default=4.0, help="block generation time / learner step time")
+    ap.add_argument(
+        "--learner-pad-ms",
+        type=float,
+        default=100.0,
+        help="sleep after every optimizer step (a learner on its own hardware); 0: the tiny model's step",
+    )
     ap.add_argument("--tail-prob", type=float, default=0.0, help="heavy-tail run: P(a sample is 10x longer)")
     ap.add_argument("--tail-factor", type=float, default=10.0)
     ap.add_argument("--cluster", action="store_true", help="run on a simulated 2-node Ray cluster")
@@ -169,6 +182,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         ray.init(num_cpus=8, include_dashboard=False, runtime_env=runtime_env(dict(RAY_ENV)))
 
+    pad = (
+        [f"controllers=[{{name: '{PACED_STEP}', options: {{pad_s: {args.learner_pad_ms / 1000:.4f}}}}}]"]
+        if args.learner_pad_ms > 0
+        else []
+    )
+
     def cfg_for(name: str, *more: str):
         base = [
             f"run_dir={root / name}",
@@ -179,11 +198,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "telemetry.progress=false",
             "telemetry.tensorboard=false",
             *placement,
+            *pad,
             *args.extra,
         ]
         return load_config(CONFIG, [*base, *more])
 
-    figures: dict[str, Any] = {"cluster": args.cluster, "steps": args.steps, "ratio": args.ratio}
+    figures: dict[str, Any] = {
+        "cluster": args.cluster,
+        "steps": args.steps,
+        "ratio": args.ratio,
+        "learner_pad_s": args.learner_pad_ms / 1000,
+    }
     busy = BusyCores().start()
     figures["cores"] = busy.cores
     try:
@@ -194,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         learner_rate = B / t_l
         figures.update(learner_step_s=t_l, latency_s=latency, learner_rate=learner_rate, batch_size=B)
         print(
-            f"learner step t_L = {t_l * 1000:.1f} ms (B={B}); "
+            f"learner step t_L = {t_l * 1000:.1f} ms (B={B}; {args.learner_pad_ms:g} ms of it padding); "
             f"generation paced to {latency * 1000:.0f} ms/block"
         )
         rows = []
@@ -287,7 +312,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cluster.shutdown()
 
     where = "simulated 2-node cluster (generators on node 2)" if args.cluster else "local Ray"
-    print(f"\n{where}; tiny preset, B={B}, {args.steps} steps, block = {args.ratio:g} learner steps")
+    print(
+        f"\n{where}; tiny preset, B={B}, {args.steps} steps, learner step {t_l * 1000:.0f} ms "
+        f"({args.learner_pad_ms:g} ms padding), block = {args.ratio:g} learner steps"
+    )
     print(f"samples/s (% of ideal, cores busy of {busy.cores})")
     header = "generators " + " ".join(f"{f'max_lag={S}':>21s}" for S in args.lags) + "   ideal"
     print(header)

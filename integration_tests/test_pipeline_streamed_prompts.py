@@ -53,7 +53,8 @@ def test_ray_data_readers_give_each_format_in_file_order(ray_local, tmp_path):
 
 def test_a_worker_warning_and_error_reach_the_terminal(tiny_pair, tmp_path):
     """At the default verbosity Ray's internals are hidden but a real warning (a prompt skipped
-    in the streaming actor) and a real error (a bad row, raised in that actor) are shown.
+    in the streaming actor) and a real error (a bad row, raised in that actor) are shown; the
+    error ends the run without replaying the stream in restarted learners.
 
     The bad rows sit in a file the driver's check (``plan.check_prompts``: the first 2048 rows in
     sorted file order) does not reach but the stream reads first (files in ``rng([seed, 0])``
@@ -96,3 +97,10 @@ def test_a_worker_warning_and_error_reach_the_terminal(tiny_pair, tmp_path):
     assert out.rstrip().splitlines()[-1].startswith("asyncrl: error:"), out
     for internal in ("core_worker.cc", "PlacementGroupCleaner", "Loading weights", "RayDeprecationWarning"):
         assert internal not in out, (internal, out)
+    # the stage's error stops the run: the learners are restarted once at most, and stop at once
+    # (a restart would replay the stream into the same row: pipeline.max_learner_failures is for dead workers)
+    run = tmp_path / "run"
+    assert json.loads((run / "abort.json").read_text())["kind"] == "stream"
+    assert json.loads((run / "books.json").read_text())["learner_restarts"] <= 1
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and "ValueError: prompt file" in summary["error"], summary

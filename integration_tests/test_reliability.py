@@ -144,6 +144,7 @@ def env() -> dict[str, str]:
     return e
 
 
+@pytest.mark.slow  # CI: the soak kills the driver and checks the same (summary, checkpoint, resume)
 def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path):
     """The whole ``asyncrl run`` process group is killed once step 4 is logged (checkpoints every 3
     steps; on a quiet machine a few more steps may be done by the time the kill lands, so the run is

@@ -8,7 +8,9 @@ process exit, a learner process exit (Ray Train restarts the worker group), one 
 (skipped), and a ``kill -9`` of the whole ``asyncrl run`` process group (the driver), after which
 the same command is run again and resumes. Checks, each printed with its measured figure:
 
-- the resumed command exits 0 and ``summary.json`` says ``status: completed``;
+- the killed run left no ``summary.json`` and a complete checkpoint at a multiple of
+  ``train.checkpoint_every``; the resumed command exits 0, ``summary.json`` says ``status: completed``
+  and ``driver_resumes: 1``, and the killed process's draws are counted as regenerated;
 - every step 1..N logged once; no sample trained twice; exactly N x B samples trained;
 - the sample ledger balances (drawn = trained + dropped + regenerated + in flight);
 - every fault fired; the non-finite step was skipped and counted;
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="extra config overrides")
     args = p.parse_args(argv)
 
+    from asyncrl import checkpoint
     from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import read_metrics, read_summary
     from asyncrl.telemetry.summary import read_samples
@@ -131,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     t_kill = time.perf_counter() - t0
+    # what the kill left: no outcome claimed, and a complete checkpoint at a multiple of checkpoint_every
+    claimed_after_kill = read_summary(run_dir) is not None
+    latest = checkpoint.latest(run_dir)
+    resume_from = checkpoint.step_of(latest) if latest is not None else None
 
     # phase 2: the same command resumes and finishes
     proc = launch(base, log)
@@ -166,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         "ledger balanced": summary.get("ledger_balanced") is True,
         "every fault fired": fired >= {"generator_exit", "scorer_exit", "learner_exit", "nonfinite_step"},
         "driver resumed": summary.get("driver_resumes") == 1,
+        "killed run claimed nothing": not claimed_after_kill,
+        "resumed from a checkpoint": resume_from is not None
+        and resume_from % plan["train.checkpoint_every"] == 0
+        and 0 < resume_from <= killed_at,
+        "killed draws regenerated": summary.get("samples_regenerated", 0) > 0,
         "learner restarted": summary.get("learner_restarts") == 1,
         "non-finite step skipped": summary.get("samples_dropped_nonfinite", 0) > 0,
         "learner RSS bound": within(mem["mem/learner_rss_mb"], args.rss_growth_mb),
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "wall_s": round(wall, 1),
         "driver_killed_at_step": killed_at,
+        "resumed_from_step": resume_from,
         "driver_killed_after_s": round(t_kill, 1),
         "faults_fired": sorted(fired),
         "mem_growth_mb": mem,

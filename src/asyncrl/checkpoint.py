@@ -31,6 +31,7 @@ the driver turns into the run's error.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,7 +335,8 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 # --- the learner's checkpoints ----------------------------------------------------------------------
-#: written by learner rank 0 when the numerics guard stops the run; the driver turns it into the run's error
+#: why the learners stopped the run on purpose (``kind``: ``numerics``, the numerics guard, written by
+#: rank 0; ``stream``, a stage of the rollout stream raised); the driver turns it into the run's error
 ABORT_FILE = "abort.json"
 
 
@@ -400,4 +402,35 @@ def write_abort(run_dir: str | Path, guard: NumericsGuard) -> None:
     """Leave why the numerics guard (a tripped ``asyncrl.step.NumericsGuard``) stopped the run, and
     where its checkpoint is, for the driver (``RUN/abort.json``); call it once the checkpoint is saved."""
     message = guard.message(latest(run_dir))
-    Path(run_dir, ABORT_FILE).write_text(json.dumps({"step": guard.first_bad_step, "message": message}))
+    note = {"kind": "numerics", "step": guard.first_bad_step, "message": message}
+    Path(run_dir, ABORT_FILE).write_text(json.dumps(note))
+
+
+def write_stream_failure(run_dir: str | Path, cause: str) -> None:
+    """Leave why the rollout stream failed (``cause``: a stage's exception, ``asyncrl.rollouts.StreamFailed``)
+    for the restarted learners, which then stop at once, and for the driver, which raises it.
+
+    Why not let Ray Train restart the learners (``pipeline.max_learner_failures``) as for a dead
+    worker: a stage raises only for what a restart cannot fix (transient faults exit the actor's
+    process and Ray Data restarts it), and a restarted stream replays the same blocks from the
+    checkpoint, so each restart would start the run again and fail the same way. Any rank may
+    write it (the same note); written whole (rename), so a reader never sees half of it."""
+    ckpt = latest(run_dir)
+    where = f"from the checkpoint {ckpt}" if ckpt is not None else "from the start (no checkpoint yet)"
+    message = (
+        f"the rollout stream failed: {cause}. The learners were not restarted (the same blocks would "
+        f"fail the same way); fix the cause and rerun the same command, which resumes {where}"
+    )
+    tmp = Path(run_dir, f".{ABORT_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"kind": "stream", "message": message}))
+    os.replace(tmp, Path(run_dir, ABORT_FILE))
+
+
+def read_abort(run_dir: str | Path) -> dict[str, Any] | None:
+    """The note ``write_abort`` / ``write_stream_failure`` left in ``run_dir``, or None."""
+    path = Path(run_dir, ABORT_FILE)
+    if not path.is_file():
+        return None
+    note = json.loads(path.read_text())
+    note.setdefault("kind", "numerics")
+    return note

@@ -42,7 +42,7 @@ from asyncrl.controllers import build_chain
 from asyncrl.coordinator import BackgroundPublisher, PolicyStoreClient, publishable_state
 from asyncrl.estimators import build as build_estimator
 from asyncrl.faults import NO_FAULTS, Faults, InjectedNaN
-from asyncrl.rollouts import rollout_batches, started_early
+from asyncrl.rollouts import StreamFailed, rollout_batches, started_early
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry.gradients import LearnerGradients
 from asyncrl.telemetry.steps import StepLogger
@@ -63,10 +63,25 @@ class LearnerSpec:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train entry point. ``config["spec"]`` is a ``LearnerSpec``."""
+    """Ray Train entry point. ``config["spec"]`` is a ``LearnerSpec``.
+
+    Ray Train restarts the worker group after any worker error (``pipeline.max_learner_failures``),
+    which is right for a dead worker and wrong for a stage that raised (``StreamFailed``): that one
+    leaves a note (``checkpoint.write_stream_failure``) and the restarted group stops at once."""
     spec: LearnerSpec = config["spec"]
-    tc = spec.cfg.train
     started_at = time.time()
+    note = checkpoint.read_abort(spec.run_dir)
+    if note is not None and note["kind"] == "stream":  # the driver raises the note's message
+        return
+    try:
+        _train(spec, started_at)
+    except StreamFailed as err:  # every rank whose stream raised leaves the same note
+        checkpoint.write_stream_failure(spec.run_dir, str(err))
+        raise
+
+
+def _train(spec: LearnerSpec, started_at: float) -> None:
+    tc = spec.cfg.train
     # the stream starts now, so its executor and the stage actors (a process each, seconds to
     # import torch and load a model) start while this worker loads its model and evaluates
     batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world))

@@ -442,6 +442,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
 
     from asyncrl.coordinator import PolicyStore
     from asyncrl.learner import LearnerSpec, train_loop_per_worker
+    from asyncrl.rollouts import StreamFailed
     from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import write_summary
     from asyncrl.telemetry.summary import failed_summary, summarize
@@ -508,6 +509,9 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
         ):
             marks["fit_at"] = time.time()
             result = trainer.fit()
+        note = checkpoint.read_abort(run_dir)
+        if note is not None and note["kind"] == "stream":  # a stage raised (asyncrl.rollouts.StreamFailed)
+            raise StreamFailed(note["message"])
         if result.error is not None:
             raise result.error
         store_stats = ray.get(store.stats.remote())
@@ -517,8 +521,8 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     finally:
         if started:
             ray.shutdown()
-    abort = run_dir / checkpoint.ABORT_FILE
-    aborted = json.loads(abort.read_text())["message"] if abort.is_file() else None
+    note = checkpoint.read_abort(run_dir)
+    aborted = note["message"] if note is not None else None
     summary = summarize(
         run_dir,
         algo=cfg.algo,

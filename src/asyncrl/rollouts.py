@@ -19,14 +19,71 @@ from asyncrl import records as R
 T = TypeVar("T")
 
 
+class StreamFailed(RuntimeError):
+    """A stage of the rollout stream raised (Ray Data's ``UserCodeException``): the message is the
+    stage's own exception. Not retried by restarting the learners (``checkpoint.write_stream_failure``)."""
+
+
+#: how Python joins a chained exception's tracebacks (Ray keeps the remote one only as text)
+_CAUSE_MARKER = "The above exception was the direct cause of the following exception:"
+
+
+def _stage_exception(text: str) -> str | None:
+    """The stage's own exception (``"ValueError: ..."``) from a ``RayTaskError``'s text: Ray Data
+    raises ``UserCodeException("UDF failed ...") from err`` in the actor, and only the remote
+    traceback's text crosses the process boundary (``__cause__`` does not pickle). That text is
+    the chain, innermost first, joined by ``_CAUSE_MARKER``; the part before the
+    ``UserCodeException`` ends with the stage's exception, after its last frame's source lines."""
+    parts = text.split(_CAUSE_MARKER)
+    at = next((i for i in range(1, len(parts)) if "UserCodeException" in parts[i]), None)
+    if at is None:
+        return None
+    lines = parts[at - 1].rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
+        return None
+    rest = lines[frames[-1] + 1 :]
+    while rest and rest[0].startswith(" "):  # the frame's source line and its ^^^ markers
+        rest.pop(0)
+    found = "\n".join(rest).strip()
+    return found or None
+
+
+def stream_failure(err: BaseException) -> StreamFailed | None:
+    """``err`` (raised by the stream's iterator) as a ``StreamFailed`` when a stage's code raised it,
+    else None: a dead actor or a stalled stream stays what it is, and Ray Train may restart the learners."""
+    from ray.exceptions import UserCodeException
+
+    chain, seen = err, set()
+    while chain is not None and id(chain) not in seen:
+        if isinstance(chain, UserCodeException):
+            found = _stage_exception(str(chain))  # else all of Ray's text, on one line
+            return StreamFailed(found or " ".join(str(chain).split()) or type(chain).__name__)
+        seen.add(id(chain))
+        chain = chain.__cause__ or chain.__context__
+    return None
+
+
 def rollout_batches(local_batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-    """This rank's blocks of the stream, in order, as numpy batches (empty ones skipped)."""
+    """This rank's blocks of the stream, in order, as numpy batches (empty ones skipped); a stage's
+    exception arrives as ``StreamFailed``."""
     import ray.train
 
-    it = ray.train.get_dataset_shard("train").iter_batches(
-        batch_size=local_batch_size, prefetch_batches=0, batch_format="numpy"
+    it = iter(
+        ray.train.get_dataset_shard("train").iter_batches(
+            batch_size=local_batch_size, prefetch_batches=0, batch_format="numpy"
+        )
     )
-    for batch in it:
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except Exception as err:
+            failed = stream_failure(err)
+            if failed is None:
+                raise
+            raise failed from err
         if len(batch[R.SAMPLE_ID]):
             batch = R.writable(batch)  # Ray Data's zero-copy arrays are read-only
             batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
