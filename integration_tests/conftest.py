@@ -148,3 +148,22 @@ def check_contract(result, *, steps: int, minibatches: int = 1) -> None:
         assert np.abs(on_policy["kl_behavior_current"]).max() < 1e-4
     logged = [m["step"] for m in read_metrics(result.run_dir) if "loss" in m]
     assert logged == list(range(1, steps + 1))  # each optimizer step logged once
+
+
+def check_demo_sizing(root: Path, task: str, *, steps: int) -> None:
+    """Both runs of a demo under ``root`` generated the task's whole answer (+ EOS), ran ``steps``
+    steps, and the pretrained student's first evaluation is above 0 (0 when answers were cut)."""
+    import json
+
+    import yaml
+
+    from asyncrl.workloads.tasks import get_task
+
+    budget = get_task(task).max_answer_chars + 1  # char tokenizer: one token per character, + EOS
+    for label in ("sync", "async"):
+        cfg = yaml.safe_load((root / label / "config.yaml").read_text())
+        assert cfg["sampling"]["max_new_tokens"] == budget
+        summary = json.loads((root / label / "summary.json").read_text())
+        assert summary["steps"] == steps
+        # the pretrained student (in its band, >= 0.2 on 512 prompts) answers some of 32 whole
+        assert summary["eval_accuracy_initial"] > 0, (task, summary)

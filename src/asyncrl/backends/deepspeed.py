@@ -88,6 +88,25 @@ def deepspeed_config(tc: TrainConfig, world: int, zero_stage: int) -> dict[str, 
     }
 
 
+#: DeepSpeed's CPU shared-memory all-reduce op (``deepspeed.ops.op_builder.cpu.comm.ShareMemCommBuilder``)
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def _skip_inference_comm_op() -> None:
+    """Do not JIT-build DeepSpeed's shared-memory all-reduce op on CPU.
+
+    DeepSpeed's torch comm backend builds it (C++, 25-70 s on 2 cores, and a compiler is needed)
+    whenever it initializes on CPU, but only ``inference_all_reduce`` (DeepSpeed inference) calls
+    it; ZeRO training reduces through the process group (gloo here), and DeepSpeed falls back to
+    exactly that where the op is not compatible. So the op is marked incompatible, as on a machine
+    that cannot build it. A DeepSpeed without the name builds it as before (slower, not wrong)."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if SHM_COMM_OP in compatible:
+        compatible[SHM_COMM_OP] = False
+
+
 class DeepSpeedBackend:
     """ZeRO stage 1 or 2 over the Train workers' process group (gloo on CPU, NCCL on CUDA).
 
@@ -130,6 +149,8 @@ class DeepSpeedBackend:
             ) from err
 
         on_cuda = get_accelerator().device_name() == "cuda"
+        if not on_cuda:
+            _skip_inference_comm_op()
         if not torch.distributed.is_initialized():
             if world != 1:
                 raise RuntimeError(
