@@ -83,6 +83,8 @@ def test_a_worker_warning_and_error_reach_the_terminal(tiny_pair, tmp_path):
         "workload.shuffle_window=1",  # stream order = file order: the bad row comes at block 2
         "workload.max_prompt_tokens=8",
         "pipeline.max_lag=0",
+        "pipeline.generators=2",  # the error reaches both learner workers' shards of the stream
+        "pipeline.learner_workers=2",
         "pipeline.no_progress_timeout_s=60",
         "train.steps=6",
         "train.eval_every=0",

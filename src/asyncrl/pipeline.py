@@ -521,8 +521,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     finally:
         if started:
             ray.shutdown()
-    note = checkpoint.read_abort(run_dir)
-    aborted = note["message"] if note is not None else None
+    aborted = note["message"] if note is not None else None  # the numerics guard's (a stream note raised)
     summary = summarize(
         run_dir,
         algo=cfg.algo,
