@@ -29,6 +29,8 @@ seed 0, ``--steps`` optimizer steps:
   lag2_top16   asyncrl.run(...), pipeline.max_lag=2, the demo default (top-16 forward KL, tail bucket)
   lag2_fused   the same with pipeline.fuse_scoring=true: generation and scoring in one actor, the
                learner in the other process (one Ray Data hand-off fewer per block)
+  lag2_fused2  max_lag=2, dense forward KL, fuse_scoring and 2 generate+score actors: one of them
+               works while the other waits for its next block (the fastest layout on 2 cores)
 
 What TRL is configured to do, checked in trl 1.16.0's source (site-packages/trl):
   * on-policy, every step: with gradient_accumulation_steps=1, ``_prepare_inputs``
@@ -129,6 +131,12 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=2`, top-16, `fuse_scoring` (generate + score in one actor)",
         "pipeline",
         ["pipeline.max_lag=2", "pipeline.fuse_scoring=true"],
+        1,
+    ),
+    "lag2_fused2": (
+        "asyncrl `max_lag=2`, dense forward KL, `fuse_scoring`, 2 generators",
+        "pipeline",
+        ["pipeline.max_lag=2", "pipeline.fuse_scoring=true", "pipeline.generators=2", *DENSE],
         1,
     ),
 }

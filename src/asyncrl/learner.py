@@ -82,6 +82,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 def _train(spec: LearnerSpec, started_at: float) -> None:
     tc = spec.cfg.train
+    # sympy first, in this thread: loading the model imports it (transformers' LlamaConfig pulls
+    # it in through torch), and a first import racing another thread's once failed a soak run's
+    # learner start with "No module named 'sympy.matrices.expressions.slice'" (a restart, no
+    # data lost). Imported now, before the stream thread exists, it costs the same 0.2 s of CPU.
+    import sympy  # noqa: F401
+
     # the stream starts now, so its executor and the stage actors (a process each, seconds to
     # import torch and load a model) start while this worker loads its model and evaluates
     batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world))
