@@ -30,7 +30,7 @@ seed 0, ``--steps`` optimizer steps:
   lag2_fused   the same with pipeline.fuse_scoring=true: generation and scoring in one actor, the
                learner in the other process (one Ray Data hand-off fewer per block)
   lag2_fused2  max_lag=2, dense forward KL, fuse_scoring and 2 generate+score actors: one of them
-               works while the other waits for its next block (the fastest layout on 2 cores)
+               works while the other waits for its next block (the fastest layout measured on 2 cores)
 
 What TRL is configured to do, checked in trl 1.16.0's source (site-packages/trl):
   * on-policy, every step: with gradient_accumulation_steps=1, ``_prepare_inputs``
