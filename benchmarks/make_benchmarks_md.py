@@ -75,7 +75,11 @@ BENCHES = [
         "asyncrl vs TRL DistillationTrainer, 129-token completions (running_sum_long, tiny pair, one round)",
         "vs_trl.py",
         # one round of the systems that answer the questions: 129-token steps take ~4x longer
-        long129(40, 3, ["trl", "plain", "lag0_dense", "lag0_fused", "lag2_dense", "lag2_fused2"]),
+        long129(
+            40,
+            3,
+            ["trl", "plain", "lag0_dense", "lag0_fused", "lag2_dense", "lag2_fused2", "lag2_fused2_mb2"],
+        ),
         long129(6, 1, ["trl", "lag2_dense"]),
         uses_cache=True,
         markdown_out=True,
