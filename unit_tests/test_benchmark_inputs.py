@@ -41,3 +41,18 @@ def test_benchmarks_md_sections_ignore_headings_inside_printed_output(tmp_path) 
     assert kept["A"] == "## A\n\nDate: x.\n\n```\n## V=64\nrow 1\n## V=128\nrow 2\n```\n"
     assert list(md.kept_sections(tmp_path / "B.md", set())) == ["A", "B"]
     assert "Regeneration" not in md.kept_sections(tmp_path / "B.md", set())["B"]
+
+
+@pytest.mark.parametrize("system", ["lag2_fused2", "lag2_fused2_mb2"])
+def test_vs_trl_systems_train_batch_samples_per_optimizer_step(system: str, tmp_path) -> None:
+    """A vs_trl system with train.minibatches=N gets a rollout batch of N x B, so every optimizer
+    step trains the B samples TRL's steps do (the comparison is per sample at equal step size)."""
+    import vs_trl
+
+    spec = dict(
+        task="addition", preset="tiny", cache_dir=str(tmp_path), seed=0, steps=60, batch=32,
+        max_new_tokens=6, run_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    cfg = vs_trl.run_config(spec, vs_trl.SYSTEMS[system][2])
+    assert cfg.train.batch_size // cfg.train.minibatches == 32
+    assert cfg.train.minibatches == (2 if system.endswith("_mb2") else 1)
