@@ -33,8 +33,8 @@ PROMPTS = ["12+34=", "7+8=", "hello world=", "a", "99+99=", "xyz=", "3=", "rever
 IDS = {"pad_id": PAD_ID, "eos_id": EOS_ID}
 
 
-def _llama(seed: int = 0, **overrides) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(seed: int = 0, *, family: str = "llama", **overrides) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     kw = {
         "vocab_size": len(TOK),
@@ -49,7 +49,14 @@ def _llama(seed: int = 0, **overrides) -> torch.nn.Module:
         **overrides,
     }
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+        with torch.no_grad():  # the per-head q/k norms start at 1: make them matter
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
     if kw.get("attention_bias") or kw.get("mlp_bias"):  # zero-initialised biases test nothing
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -95,9 +102,13 @@ def _assert_same_rollout(got: dict, ref: dict) -> None:
             assert torch.equal(got[key], ref[key]), key
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_fast_path_is_transformers_rollout(shape: str) -> None:
-    model = _llama(seed=1, **SHAPES[shape])
+# qwen3 adds per-head q/k norms to the same block; its RoPE tables are the same code as llama's
+CASES = [("llama", s) for s in sorted(SHAPES)] + [("qwen3", s) for s in ("mha", "gqa", "tied", "head_dim_16")]
+
+
+@pytest.mark.parametrize(("family", "shape"), CASES)
+def test_fast_path_is_transformers_rollout(family: str, shape: str) -> None:
+    model = _llama(seed=1, family=family, **SHAPES[shape])
     assert unsupported_reason(model) is None
     ids, mask = encode_prompts(TOK, PROMPTS, 16)  # left padding in 7 of 8 rows
     params = SamplingParams(max_new_tokens=40, temperature=1.0, mc_samples=2)
@@ -178,7 +189,12 @@ def test_default_is_fast_for_the_built_in_llama_presets() -> None:
     assert HFEngine(model, TOK).decode_path == "fast"
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_default_is_fast_for_the_built_in_qwen3_preset_shape() -> None:
+    model = build_model(ModelSpec("qwen3", hidden=32, layers=1, heads=2, intermediate=64), len(TOK), 0)
+    assert HFEngine(model, TOK).decode_path == "fast"
+
+
+@pytest.mark.parametrize("arch", ["gpt2"])
 def test_unsupported_models_use_transformers_forward_or_fail_loudly(arch: str) -> None:
     model = build_model(ModelSpec(arch, hidden=32, layers=1, heads=2, intermediate=64), len(TOK), 0)
     reason = unsupported_reason(model)
@@ -199,5 +215,7 @@ def test_unsupported_llama_variants_are_named() -> None:
     )
     assert "hidden_act 'gelu'" in str(unsupported_reason(_llama(hidden_act="gelu")))
     assert "attention_dropout" in str(unsupported_reason(_llama(attention_dropout=0.1)))
+    sliding = _llama(family="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert "sliding-window" in str(unsupported_reason(sliding))
     with pytest.raises(ValueError, match="use 'auto', 'fast' or 'hf'"):
         HFEngine(_llama(), IDS, decode="vllm")  # type: ignore[arg-type]

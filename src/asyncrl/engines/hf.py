@@ -43,7 +43,7 @@ class HFEngine:
         version: policy version of the current weights (stamped on every generated token).
         decode: the per-token forward. ``"auto"`` (default): ``LlamaDecoder`` (the same Llama
             arithmetic without ``transformers``' per-call overhead, 2x faster per step at toy
-            scale; ``engines/llama_decode.py``) when the model is a Llama it supports, else the
+            scale; ``engines/llama_decode.py``) when the model is a Llama or Qwen3 it supports, else the
             model's own forward; ``"fast"``: ``LlamaDecoder`` or a ``ValueError`` naming why not;
             ``"hf"``: always the model's own forward. ``decode_path`` says which one runs.
     """

@@ -18,7 +18,9 @@ Per layer l, hidden h [B, S, d], positions p, left-padding key mask k_valid:
     h = h + o W_o^T;  h = h + W_down (silu(x' W_gate^T) * x' W_up^T),  x' = RMSNorm(h)
 logits = RMSNorm(h_last) W_lm^T.
 
-Supported: ``model_type`` ``llama`` with SiLU MLP, ``default`` / ``linear`` / ``llama3`` RoPE,
+Supported: ``model_type`` ``llama``, and ``qwen3`` (the same block plus RMSNorm of each query and
+key head before RoPE, ``q_norm`` / ``k_norm``) without sliding-window layers; SiLU MLP,
+``default`` / ``linear`` / ``llama3`` RoPE,
 optional attention/MLP biases, grouped-query attention, tied embeddings, no attention dropout;
 anything else is reported by ``unsupported_reason`` and ``HFEngine`` keeps ``transformers``' own
 forward.
@@ -34,6 +36,8 @@ import torch.nn.functional as F
 
 #: rope types whose inverse frequencies do not change with the sequence length
 _STATIC_ROPE = ("default", "linear", "llama3")
+#: transformers model types whose decoder block this module reproduces
+_FAMILIES = ("llama", "qwen3")
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -41,8 +45,12 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None:
         return "the model has no transformers config"
-    if getattr(config, "model_type", None) != "llama":
-        return f"model_type {getattr(config, 'model_type', None)!r} is not 'llama'"
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILIES:
+        return f"model_type {model_type!r} is not one of {_FAMILIES}"
+    sliding = [t for t in getattr(config, "layer_types", None) or [] if t != "full_attention"]
+    if sliding or getattr(config, "use_sliding_window", False):
+        return f"layers of type {sorted(set(sliding)) or ['sliding_attention']} (sliding-window attention)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} is not 'silu'"
     rope = getattr(config, "rope_parameters", None) or {}
@@ -138,12 +146,16 @@ class LlamaDecoder:
         nq, nkv, D = self.n_heads, self.n_kv, self.head_dim
         for i, w in enumerate(self._layers):
             x = _rms(h, w.norm1, w.eps1)
-            qkv = F.linear(x, w.qkv, w.qkv_b).view(B, S, nq + 2 * nkv, D).transpose(1, 2)  # [B, H, S, D]
-            qk = qkv[:, : nq + nkv]
+            qkv = F.linear(x, w.qkv, w.qkv_b).view(B, S, nq + 2 * nkv, D)
+            if w.q_norm is None:
+                qk = qkv[:, :, : nq + nkv].transpose(1, 2)  # [B, H, S, D]
+            else:  # qwen3: RMSNorm over each query / key head's dims, before RoPE
+                q = _rms(qkv[:, :, :nq], w.q_norm, w.qk_eps)
+                qk = torch.cat([q, _rms(qkv[:, :, nq : nq + nkv], w.k_norm, w.qk_eps)], 2).transpose(1, 2)
             qk = qk * cos + _rotate_half(qk) * sin  # RoPE on the query and key heads at once
             k_buf, v_buf = self._k[i], self._v[i]
             k_buf[:, :, lo:hi] = qk[:, nq:]
-            v_buf[:, :, lo:hi] = qkv[:, nq + nkv :]
+            v_buf[:, :, lo:hi] = qkv[:, :, nq + nkv :].transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 qk[:, :nq],
                 k_buf[:, :, :hi],
@@ -175,6 +187,9 @@ class _LayerWeights(NamedTuple):
     gate_up_b: torch.Tensor | None
     down: torch.Tensor
     down_b: torch.Tensor | None
+    q_norm: torch.Tensor | None  # qwen3's per-head query / key norms (None for llama)
+    k_norm: torch.Tensor | None
+    qk_eps: float
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _LayerWeights:
@@ -190,6 +205,9 @@ class _LayerWeights(NamedTuple):
             *_cat_linear(mlp.gate_proj, mlp.up_proj),
             mlp.down_proj.weight,
             mlp.down_proj.bias,
+            a.q_norm.weight if hasattr(a, "q_norm") else None,
+            a.k_norm.weight if hasattr(a, "k_norm") else None,
+            a.q_norm.variance_epsilon if hasattr(a, "q_norm") else 0.0,
         )
 
 
