@@ -10,6 +10,7 @@ the same tokens and log-probabilities equal to float error, under both decode pa
 from __future__ import annotations
 
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -214,8 +215,31 @@ def test_unsupported_llama_variants_are_named() -> None:
         )
     )
     assert "hidden_act 'gelu'" in str(unsupported_reason(_llama(hidden_act="gelu")))
+    legacy = _llama()  # a transformers 4.x config: rope_scaling with "type", no rope_parameters
+    legacy.config.rope_parameters = None
+    with warnings.catch_warnings():  # transformers 5 deprecates setting rope_scaling
+        warnings.simplefilter("ignore", FutureWarning)
+        legacy.config.rope_scaling = {"type": "dynamic", "factor": 2.0}
+    assert "rope_type 'dynamic'" in str(unsupported_reason(legacy))
     assert "attention_dropout" in str(unsupported_reason(_llama(attention_dropout=0.1)))
     sliding = _llama(family="qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert "sliding-window" in str(unsupported_reason(sliding))
     with pytest.raises(ValueError, match="use 'auto', 'fast' or 'hf'"):
         HFEngine(_llama(), IDS, decode="vllm")  # type: ignore[arg-type]
+
+
+def test_check_supported_refuses_decode_fast_in_the_driver(tmp_path) -> None:
+    """``pipeline.engine_options.decode`` is checked before any actor starts (config only)."""
+    llama, gpt2 = tmp_path / "llama", tmp_path / "gpt2"
+    _llama().save_pretrained(llama)
+    build_model(
+        ModelSpec("gpt2", hidden=32, layers=1, heads=2, intermediate=64), len(TOK), 0
+    ).save_pretrained(gpt2)
+    params = SamplingParams(max_new_tokens=4)
+    for decode in ("auto", "fast", "hf"):
+        HFEngine.check_supported(str(llama), params, decode=decode)
+    HFEngine.check_supported(str(gpt2), params, decode="auto")
+    with pytest.raises(ValueError, match=r"engine_options.decode='fast' cannot run .*model_type 'gpt2'"):
+        HFEngine.check_supported(str(gpt2), params, decode="fast")
+    with pytest.raises(ValueError, match=r"engine_options.decode='vllm': use 'auto', 'fast' or 'hf'"):
+        HFEngine.check_supported(str(llama), params, decode="vllm")

@@ -134,7 +134,8 @@ class PipelineConfig:
     zero_stage: int = field(2, help="DeepSpeed ZeRO stage (1 or 2) when backend=deepspeed")
     engine: str = field("hf", help="rollout engine (asyncrl ls engines)")
     engine_options: dict[str, Any] = field(
-        default_factory=dict, help="keyword options of the engine's from_pretrained (e.g. vllm max_model_len)"
+        default_factory=dict,
+        help="keyword options of the engine's from_pretrained (hf: decode=auto|fast|hf; vllm: max_model_len)",
     )
     generators: int = field(1, help="generation actors in the Ray Data actor pool")
     teacher_scorers: int = field(1, help="teacher-scoring actors in the Ray Data actor pool")

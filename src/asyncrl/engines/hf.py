@@ -29,7 +29,7 @@ import torch
 
 from asyncrl import records
 from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
-from asyncrl.engines.llama_decode import LlamaDecoder, unsupported_reason
+from asyncrl.engines.llama_decode import LlamaDecoder, config_unsupported_reason, unsupported_reason
 
 
 class HFEngine:
@@ -139,9 +139,24 @@ class HFEngine:
     @classmethod
     def check_supported(cls, path: str | Path | None, params: SamplingParams, **options: Any) -> None:
         """HFEngine serves every ``SamplingParams`` (exact MC draws included) for any causal LM
-        checkpoint; only the directory itself is checked here (``RolloutEngine.check_supported``)."""
-        if path is not None:
-            checkpoint_dir(path)
+        checkpoint; the directory and the ``decode`` option are checked here, in the driver
+        (``RolloutEngine.check_supported``): ``decode="fast"`` on a checkpoint whose config the fast
+        path cannot run fails now, naming why, instead of in every generator actor."""
+        decode = options.get("decode", "auto")
+        if decode not in ("auto", "fast", "hf"):
+            raise ValueError(f"pipeline.engine_options.decode={decode!r}: use 'auto', 'fast' or 'hf'")
+        if path is None:
+            return
+        p = checkpoint_dir(path)
+        if decode == "fast":
+            from transformers import AutoConfig
+
+            why_not = config_unsupported_reason(AutoConfig.from_pretrained(str(p), local_files_only=True))
+            if why_not is not None:
+                raise ValueError(
+                    f"pipeline.engine_options.decode='fast' cannot run {str(p)!r}: {why_not}; "
+                    f"use decode='auto' (transformers' forward where the fast path cannot run) or 'hf'"
+                )
 
     # --- versioned weights ---------------------------------------------------------------
     @property

@@ -29,7 +29,7 @@ Parity with ``transformers`` (logits to float error, identical draws) is a unit 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,18 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     config = getattr(model, "config", None)
     if config is None:
         return "the model has no transformers config"
+    reason = config_unsupported_reason(config)
+    if reason is not None:
+        return reason
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "the model is not a LlamaForCausalLM (no .model.layers / .model.rotary_emb)"
+    return None
+
+
+def config_unsupported_reason(config: Any) -> str | None:
+    """The part of ``unsupported_reason`` a checkpoint's config alone decides (no weights loaded:
+    ``HFEngine.check_supported`` asks it in the driver before any actor starts)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in _FAMILIES:
         return f"model_type {model_type!r} is not one of {_FAMILIES}"
@@ -53,13 +65,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"layers of type {sorted(set(sliding)) or ['sliding_attention']} (sliding-window attention)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} is not 'silu'"
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
+    # transformers 5 names it rope_parameters; 4.x rope_scaling (with "type" in older configs)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _STATIC_ROPE:
         return f"rope_type {rope_type!r} is not one of {_STATIC_ROPE}"
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-        return "the model is not a LlamaForCausalLM (no .model.layers / .model.rotary_emb)"
     if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
         return f"attention_dropout is {config.attention_dropout} (the fast path has no dropout)"
     return None
@@ -233,4 +243,4 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-__all__ = ["LlamaDecoder", "unsupported_reason"]
+__all__ = ["LlamaDecoder", "config_unsupported_reason", "unsupported_reason"]
