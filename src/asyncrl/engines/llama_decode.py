@@ -20,11 +20,10 @@ logits = RMSNorm(h_last) W_lm^T.
 
 Supported: ``model_type`` ``llama``, and ``qwen3`` (the same block plus RMSNorm of each query and
 key head before RoPE, ``q_norm`` / ``k_norm``) without sliding-window layers; SiLU MLP,
-``default`` / ``linear`` / ``llama3`` RoPE,
-optional attention/MLP biases, grouped-query attention, tied embeddings, no attention dropout;
-anything else is reported by ``unsupported_reason`` and ``HFEngine`` keeps ``transformers``' own
-forward.
-Parity with ``transformers`` (logits to float error, identical draws) is a unit test.
+``default`` / ``linear`` / ``llama3`` RoPE, optional attention/MLP biases, grouped-query
+attention, tied embeddings, no attention dropout. Anything else is reported by
+``unsupported_reason`` and ``HFEngine`` keeps ``transformers``' own forward. Parity with
+``transformers`` (logits to float error, identical draws) is a unit test.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ class LlamaDecoder:
     """Prefill + one-token decode steps for one batch; see the module docstring.
 
     Args:
-        model: a ``LlamaForCausalLM`` (``unsupported_reason(model) is None``).
+        model: a ``LlamaForCausalLM`` or ``Qwen3ForCausalLM`` (``unsupported_reason(model) is None``).
 
     Usage: ``logits = dec.start(prompt_ids, prompt_mask, positions, max_new_tokens)``, then
     ``logits = dec.step(token_ids, t)`` for ``t = 0, 1, ...`` (token ``t``'s logits predict
@@ -134,6 +133,8 @@ class LlamaDecoder:
         self._P = P
         self._next_pos = positions[:, -1] + 1  # [B]: the first completion position
         causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
+        # a left-padding position attends to itself only: its keys/values stay finite (no valid
+        # query reads them, but NaN there would poison softmax(...) V through 0 * NaN)
         mask = (causal[None, None] & self._valid[..., :P]) | torch.eye(P, dtype=torch.bool, device=dev)
         cos, sin = self._cos[positions][:, None], self._sin[positions][:, None]  # [B, 1, P, D]
         h = F.embedding(prompt_ids, inner.embed_tokens.weight)
