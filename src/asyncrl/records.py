@@ -166,16 +166,18 @@ def validate_batch(
             while m.dim() < x.dim():
                 m = m.unsqueeze(-1)
         # masked reductions, not x[mask]: gathering the valid values (nonzero + index) cost the
-        # learner ~1 ms a step on a dense [B, T, V] teacher column; they are gathered on error only
+        # learner ~1.4 ms a step on a dense [B, T, V] teacher column; they are gathered on error only
         bad = ~torch.isfinite(x)
         if m is not None:
             bad &= m
         if bad.any():
             raise ValueError(f"column {name!r} has non-finite values at valid positions")
-        over = (x > 1e-6) if col.logprob else None
-        if over is not None and m is not None:
+        if not col.logprob:
+            continue
+        over = x > 1e-6
+        if m is not None:
             over &= m
-        if over is not None and over.any():
+        if over.any():
             valid = x[m.expand_as(x)] if m is not None else x
             raise ValueError(
                 f"column {name!r} holds log-probabilities but has values > 0 (max {valid.max().item():.3g}); "

@@ -31,6 +31,9 @@ from asyncrl import records
 from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
 from asyncrl.engines.llama_decode import LlamaDecoder, config_unsupported_reason, unsupported_reason
 
+#: ``HFEngine(decode=...)`` / ``pipeline.engine_options.decode``
+DECODE_CHOICES = ("auto", "fast", "hf")
+
 
 class HFEngine:
     """Rollout engine over a ``PreTrainedModel`` (``RolloutEngine`` protocol).
@@ -42,10 +45,11 @@ class HFEngine:
             mapping ``{"pad_id": int, "eos_id": int | list[int]}``.
         version: policy version of the current weights (stamped on every generated token).
         decode: the per-token forward. ``"auto"`` (default): ``LlamaDecoder`` (the same Llama
-            arithmetic without ``transformers``' per-call overhead, 2x faster per step at toy
-            scale; ``engines/llama_decode.py``) when the model is a Llama or Qwen3 it supports, else the
-            model's own forward; ``"fast"``: ``LlamaDecoder`` or a ``ValueError`` naming why not;
-            ``"hf"``: always the model's own forward. ``decode_path`` says which one runs.
+            arithmetic without ``transformers``' per-call overhead, 1.4-1.9x faster per rollout
+            in BENCHMARKS.md; ``engines/llama_decode.py``) when the model is a Llama or Qwen3 it
+            supports, else the model's own forward; ``"fast"``: ``LlamaDecoder`` or a
+            ``ValueError`` naming why not; ``"hf"``: always the model's own forward.
+            ``decode_path`` says which one runs.
     """
 
     name = "hf"
@@ -60,7 +64,7 @@ class HFEngine:
         decode: Literal["auto", "fast", "hf"] = "auto",
     ) -> None:
         self.model = model.eval()
-        if decode not in ("auto", "fast", "hf"):
+        if decode not in DECODE_CHOICES:
             raise ValueError(f"HFEngine decode={decode!r}: use 'auto', 'fast' or 'hf'")
         why_not = unsupported_reason(model) if decode != "hf" else "decode='hf' was asked for"
         if decode == "fast" and why_not is not None:
@@ -143,7 +147,7 @@ class HFEngine:
         (``RolloutEngine.check_supported``): ``decode="fast"`` on a checkpoint whose config the fast
         path cannot run fails now, naming why, instead of in every generator actor."""
         decode = options.get("decode", "auto")
-        if decode not in ("auto", "fast", "hf"):
+        if decode not in DECODE_CHOICES:
             raise ValueError(f"pipeline.engine_options.decode={decode!r}: use 'auto', 'fast' or 'hf'")
         if path is None:
             return
@@ -205,13 +209,10 @@ class HFEngine:
         limit = ("the model's max_position_embeddings", self.max_positions)
         prompt_ids, prompt_mask = check_prompts(prompt_ids, prompt_mask, params, self.vocab_size, limit)
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        B, P = prompt_ids.shape
+        B = prompt_ids.shape[0]
         N, m = params.max_new_tokens, params.mc_samples
         k = max(m, 1)  # draws per position; column 0 is the generated token
 
-        attn = torch.ones((B, P + N), dtype=torch.long, device=device)
-        attn[:, :P] = prompt_mask
-        n_prompt = prompt_mask.sum(1, keepdim=True)  # [B, 1]: first completion position
         eos = torch.tensor(self.eos_ids, device=device)
         gen = torch.Generator(device=device).manual_seed(int(seed))
 
@@ -220,14 +221,8 @@ class HFEngine:
         logp_out = torch.zeros((B, N, k), dtype=torch.float32, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
 
-        positions = records.position_ids(prompt_mask)
-        fast = self.decode_path == "fast"
-        if fast:
-            dec = LlamaDecoder(self.model)
-            logits = dec.start(prompt_ids, prompt_mask, positions, N)
-        else:
-            cache = _new_cache(self.model)
-            logits = self._step(prompt_ids, attn[:, :P], positions, cache)
+        dec = LlamaDecoder(self.model) if self.decode_path == "fast" else _ModelDecoder(self)
+        logits = dec.start(prompt_ids, prompt_mask, records.position_ids(prompt_mask), N)
         T = 0
         for t in range(N):
             draws, logp = _draw(logits, params.temperature, k, gen)  # [B, k], [B, k]
@@ -240,20 +235,44 @@ class HFEngine:
             T = t + 1
             if t == N - 1 or bool(finished.all()):
                 break
-            if fast:
-                logits = dec.step(draws[:, 0], t)
-            else:
-                logits = self._step(draws[:, :1], attn[:, : P + t + 1], n_prompt + t, cache)
+            logits = dec.step(draws[:, 0], t)
 
         return pack_rollout(
             draws_out[:, :T], logp_out[:, :T], mask[:, :T], version=self._version, mc_samples=m
         )
 
-    def _step(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+
+class _ModelDecoder:
+    """``LlamaDecoder``'s ``start`` / ``step`` over the model's own forward and a ``DynamicCache``:
+    the path for any causal LM (``decode_path == "hf"``)."""
+
+    def __init__(self, engine: HFEngine) -> None:
+        self.model = engine.model
+        self._cache_kw, self._keep_logits = engine._cache_kw, engine._keep_logits
+
+    def start(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        positions: torch.Tensor,
+        max_new_tokens: int,
+    ) -> torch.Tensor:
+        B, P = prompt_ids.shape
+        self._attn = torch.ones((B, P + max_new_tokens), dtype=torch.long, device=prompt_ids.device)
+        self._attn[:, :P] = prompt_mask
+        self._P = P
+        self._next_pos = prompt_mask.sum(1, keepdim=True)  # [B, 1]: first completion position
+        self._cache = _new_cache(self.model)
+        return self._forward(prompt_ids, self._attn[:, :P], positions)
+
+    def step(self, token_ids: torch.Tensor, t: int) -> torch.Tensor:
+        return self._forward(token_ids.reshape(-1, 1), self._attn[:, : self._P + t + 1], self._next_pos + t)
+
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         """One forward with the KV cache; returns float32 logits of the last position [B, V]."""
-        kw: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
+        kw: dict[str, Any] = {self._cache_kw: self._cache, "use_cache": True}
         if self._keep_logits:
             kw["logits_to_keep"] = 1
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)

@@ -205,6 +205,7 @@ class _LayerWeights(NamedTuple):
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _LayerWeights:
         a, mlp = layer.self_attn, layer.mlp
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
         return cls(
             layer.input_layernorm.weight,
             layer.input_layernorm.variance_epsilon,
@@ -216,9 +217,9 @@ class _LayerWeights(NamedTuple):
             *_cat_linear(mlp.gate_proj, mlp.up_proj),
             mlp.down_proj.weight,
             mlp.down_proj.bias,
-            a.q_norm.weight if hasattr(a, "q_norm") else None,
-            a.k_norm.weight if hasattr(a, "k_norm") else None,
-            a.q_norm.variance_epsilon if hasattr(a, "q_norm") else 0.0,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.variance_epsilon if q_norm is not None else 0.0,
         )
 
 
