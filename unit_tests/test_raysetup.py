@@ -126,3 +126,37 @@ def test_workers_never_auto_start_a_ray_instance_and_get_the_tick() -> None:
     assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
     plain = raysetup.runtime_env({}, None)["env_vars"]
     assert raysetup.TICK_ENV not in plain and raysetup.WORKER_ENV.items() <= plain.items()
+
+
+def _cfg(**pipeline):
+    from asyncrl.config import load_config
+
+    return load_config(None, [f"pipeline.{k}={v}" for k, v in pipeline.items()])
+
+
+def test_a_local_ray_gets_the_local_env_and_a_cluster_does_not(monkeypatch) -> None:
+    from asyncrl.pipeline import ray_runtime_env
+
+    for key in raysetup.LOCAL_RAY_ENV:
+        monkeypatch.delenv(key, raising=False)
+    local = ray_runtime_env(_cfg())["env_vars"]
+    assert raysetup.LOCAL_RAY_ENV.items() <= local.items()
+    assert raysetup.RAY_ENV.items() <= local.items()
+    cluster = ray_runtime_env(_cfg(ray_address="ray://head:10001"))["env_vars"]
+    assert not set(raysetup.LOCAL_RAY_ENV) & set(cluster)  # a cluster keeps Ray's own defaults
+    assert raysetup.RAY_ENV.items() <= cluster.items()
+
+
+def test_the_users_own_setting_of_a_local_env_variable_wins(monkeypatch) -> None:
+    from asyncrl.pipeline import ray_runtime_env
+
+    for key in raysetup.LOCAL_RAY_ENV:
+        monkeypatch.setenv(key, "1")
+    env = ray_runtime_env(_cfg())["env_vars"]
+    assert not set(raysetup.LOCAL_RAY_ENV) & set(env)  # inherited from this process as it is
+
+
+def test_the_pinned_ray_train_reads_the_variables_of_the_local_env() -> None:
+    from ray.train.v2._internal import constants
+
+    assert constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR in raysetup.LOCAL_RAY_ENV

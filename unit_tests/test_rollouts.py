@@ -1,5 +1,6 @@
 """``rollouts.started_early``: the rollout stream is started in a background thread while the
-learner loads, and behaves like the plain iterator otherwise."""
+learner loads, and behaves like the plain iterator otherwise. ``rollouts.rollout_batches`` over a
+stream the (single) learner worker built itself."""
 
 from __future__ import annotations
 
@@ -41,3 +42,33 @@ def test_an_error_of_the_first_pull_reaches_the_caller():
     stream = started_early(items())
     with pytest.raises(RuntimeError, match="failed to start"):
         next(stream)
+
+
+class _Dataset:
+    """What ``rollout_batches`` reads of a Ray Data dataset: ``iter_batches``."""
+
+    def __init__(self, batches):
+        self.batches, self.calls = batches, []
+
+    def iter_batches(self, **kwargs):
+        self.calls.append(kwargs)
+        yield from self.batches
+
+
+def test_rollout_batches_reads_a_given_dataset_in_order_and_skips_empty_blocks():
+    import numpy as np
+
+    from asyncrl import records as R
+    from asyncrl.rollouts import rollout_batches
+
+    blocks = [
+        {R.SAMPLE_ID: np.array([0, 1])},
+        {R.SAMPLE_ID: np.array([], dtype=np.int64)},
+        {R.SAMPLE_ID: np.array([2, 3])},
+    ]
+    ds = _Dataset(blocks)
+    got = list(rollout_batches(2, ds))
+    assert [b[R.SAMPLE_ID].tolist() for b in got] == [[0, 1], [2, 3]]
+    assert all(b["consumed_at"].shape == (2,) for b in got)
+    # one block per step, nothing read ahead (lock-step deadlocks otherwise), numpy columns
+    assert ds.calls == [dict(batch_size=2, prefetch_batches=0, batch_format="numpy")]

@@ -26,6 +26,7 @@ skipped) and the reason in ``RUN/abort.json``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,11 @@ class LearnerSpec:
     store_name: str
     eval_prompts: list[tuple[str, str]]  # (prompt, answer) held-out split
     faults: Faults = NO_FAULTS
+    #: the rollout stream's factory (``asyncrl.pipeline.StreamFactory``) when this worker is the
+    #: only learner: it builds its Ray Data stream itself at every (re)start, instead of through
+    #: Ray Train's dataset integration, whose DatasetManager actor (a process that imports torch)
+    #: the stream would otherwise wait for. None: Ray Train's shard (``datasets={"train": ...}``)
+    stream: Callable[[], Any] | None = None
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -88,9 +94,12 @@ def _train(spec: LearnerSpec, started_at: float) -> None:
     # data lost). Imported now, before the stream thread exists, it costs the same 0.2 s of CPU.
     import sympy  # noqa: F401
 
+    # built before the Learner publishes its first weights: building resets the PolicyStore's
+    # books to the checkpoint the Learner loads (``PolicyStore.begin_stream``)
+    dataset = spec.stream() if spec.stream is not None else None
     # the stream starts now, so its executor and the stage actors (a process each, seconds to
     # import torch and load a model) start while this worker loads its model and evaluates
-    batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world))
+    batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world, dataset))
     w = Learner(spec)
     w.start()  # publish the starting weights (admission opens), then the step-0 eval
     w.steps.ready(started_at)

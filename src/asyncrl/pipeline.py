@@ -20,13 +20,15 @@ patch a second task saved 5-7 % of throughput, but 4 generators at ``max_lag=0``
 after step 5: block 5 was admitted and never reached the learner, while the other actors' queued
 tasks waited for admission; cause not pinned down, so one it stays, 2026-12-01), consumer
 ``prefetch_batches=0`` (lock-step deadlocks otherwise), no shard locality (deadlocks with
-small blocks), and with one learner worker the executor runs inside that worker
-(``datasets_to_split=[]``), which skips the OutputSplitter hop.
+small blocks), and with one learner worker the executor runs inside that worker, which skips
+the OutputSplitter hop: that worker builds the stream itself (``LearnerSpec.stream``), so no
+Ray Train DatasetManager process has to start (and import torch) before the stream can.
 
 Faults (``README.md`` "Reliability"): a dead generator or scorer actor is restarted by Ray Data
 and its block re-run (a generator's under the same admission); a dead learner worker makes Ray
 Train restart the worker group (``pipeline.max_learner_failures``), and the stream is rebuilt by
-``StreamFactory`` (Ray Train calls it at every start of the worker group) from the same latest
+``StreamFactory`` (called at every start of the worker group: by Ray Train, or by the single
+learner worker itself) from the same latest
 checkpoint the learners load; a dead driver is resumed by running the same command again. Every
 sample drawn is accounted for in ``summary.json`` (``asyncrl.coordinator`` "Books").
 """
@@ -34,6 +36,7 @@ sample drawn is accounted for in ``summary.json`` (``asyncrl.coordinator`` "Book
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import threading
@@ -72,6 +75,19 @@ class RunResult:
     config: RunConfig
 
 
+def ray_runtime_env(cfg: RunConfig) -> dict[str, Any]:
+    """The ``runtime_env`` of the Ray instance a run starts or joins (``asyncrl.raysetup``):
+    ``RAY_ENV`` and the console's quiet settings; on a Ray instance the run starts itself (no
+    ``pipeline.ray_address``) also ``LOCAL_RAY_ENV``, except a variable set in this process."""
+    from asyncrl.raysetup import LOCAL_RAY_ENV, runtime_env
+    from asyncrl.telemetry import console
+
+    env_vars = {**RAY_ENV, **console.quiet_env()}
+    if not cfg.pipeline.ray_address:
+        env_vars |= {k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}
+    return runtime_env(env_vars, cfg.pipeline.data_tick_s)
+
+
 def init_ray(cfg: RunConfig) -> bool:
     """Start (or join) Ray; returns True if this call started it (and so must shut it down).
     Worker logs reach the driver through ``asyncrl.telemetry.console``'s filter (``-v``: all)."""
@@ -82,9 +98,7 @@ def init_ray(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         console.install_log_filter()
         return False
-    from asyncrl.raysetup import runtime_env
-
-    env = runtime_env({**RAY_ENV, **console.quiet_env()}, cfg.pipeline.data_tick_s)
+    env = ray_runtime_env(cfg)
     level = console.ray_logging_level()
     if cfg.pipeline.ray_address:
         ray.init(address=cfg.pipeline.ray_address, runtime_env=env, log_to_driver=True, logging_level=level)
@@ -308,12 +322,13 @@ def streamed(plan: RunPlan, skip_ids: np.ndarray | None) -> Any:
 class StreamFactory:
     """The run's Ray Data stream, built from the run directory's latest checkpoint.
 
-    Ray Train calls it (``TorchTrainer(datasets={"train": factory})``, in its controller) at every
-    start of the learner worker group: the run's start, and each restart after a learner worker
-    died. It reads the latest complete checkpoint, which is the one the learners will load:
-    the PolicyStore's books go back to that checkpoint (``begin_stream``), and the new stream
-    leaves out the ledger's samples and numbers its blocks from 0, as the restored learner's
-    admission expects. Prompt files (``plan.prompts``) are streamed (``streamed``: the stream
+    Called at every start of the learner worker group (the run's start, and each restart after a
+    learner worker died): by the single learner worker itself (``LearnerSpec.stream``), or with
+    several by Ray Train (``TorchTrainer(datasets={"train": factory})``, in its controller), which
+    splits the stream among them. It reads the latest complete checkpoint, which is the one the
+    learners will load: the PolicyStore's books go back to that checkpoint (``begin_stream``), and
+    the new stream leaves out the ledger's samples and numbers its blocks from 0, as the restored
+    learner's admission expects. Prompt files (``plan.prompts``) are streamed (``streamed``: the stream
     skips the same ledger); a built-in task's blocks are cut here (``prompt_blocks``)."""
 
     plan: RunPlan
@@ -325,6 +340,7 @@ class StreamFactory:
         from asyncrl.workloads.checkpoints import load_tokenizer
 
         cfg = self.plan.cfg
+        configure_data_context(cfg)  # the calling process's: a learner worker's, or Train's controller
         ckpt = checkpoint.latest(cfg.run_dir)
         state, skip = None, None
         if ckpt is not None:
@@ -465,6 +481,8 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             resume_books=plan.resume_dir is not None,
         )
         configure_data_context(cfg)  # captured by Ray Train for its workers
+        stream = StreamFactory(plan, namespace, store_name)
+        single = pc.learner_workers == 1  # the one worker builds and runs the whole stream itself
         spec = LearnerSpec(
             cfg=cfg,
             controller_specs=plan.controller_specs,
@@ -474,11 +492,8 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             store_name=store_name,
             eval_prompts=[(e.prompt, e.answer) for e in eval_ex[: cfg.train.eval_size]],
             faults=faults_of(cfg),
+            stream=stream if single else None,
         )
-        if pc.learner_workers == 1:
-            data_config = DataConfig(datasets_to_split=[], enable_shard_locality=False)
-        else:
-            data_config = DataConfig(enable_shard_locality=False)
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"spec": spec},
@@ -498,8 +513,8 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
                 storage_path=str(run_dir / "checkpoints"),
                 failure_config=FailureConfig(max_failures=pc.max_learner_failures),
             ),
-            datasets={"train": StreamFactory(plan, namespace, store_name)},
-            dataset_config=data_config,
+            datasets={} if single else {"train": stream},
+            dataset_config=DataConfig(enable_shard_locality=False),
         )
         # the driver owns the progress display: it follows RUN/metrics.jsonl while the run trains
         start_step = checkpoint.step_of(plan.resume_dir) if plan.resume_dir else 0

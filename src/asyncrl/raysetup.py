@@ -55,6 +55,12 @@ RAY_ENV = {
     "DS_ACCELERATOR": "cpu",
 }
 
+#: environment of every process of a Ray instance asyncrl starts itself (one machine, no
+#: ``pipeline.ray_address``), unless set in the driver's: Ray Train's preemption watcher (an
+#: actor process that polls for cloud nodes being drained, started with every worker group) has
+#: nothing to watch there, and costs a process start (about 1.3 s of CPU) during the run's start-up
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
 
 def apply_env() -> None:
     """Set ``RAY_ENV`` (and, unless verbose, ``asyncrl.telemetry.console.quiet_env``) in this

@@ -1,7 +1,8 @@
 """The learner's end of the rollout stream: this rank's rollout batches, in stream order.
 
 Ray Train hands each learner worker its shard of the Ray Data stream (``asyncrl.pipeline``
-builds it); ``rollout_batches`` reads it as numpy batches, ``started_early`` starts it while the
+builds it; a single learner worker builds the whole stream itself); ``rollout_batches`` reads it
+as numpy batches, ``started_early`` starts it while the
 learner is still loading.
 """
 
@@ -64,16 +65,15 @@ def stream_failure(err: BaseException) -> StreamFailed | None:
     return None
 
 
-def rollout_batches(local_batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+def rollout_batches(local_batch_size: int, dataset: Any = None) -> Iterator[dict[str, np.ndarray]]:
     """This rank's blocks of the stream, in order, as numpy batches (empty ones skipped); a stage's
-    exception arrives as ``StreamFailed``."""
-    import ray.train
+    exception arrives as ``StreamFailed``. ``dataset``: the whole stream, built by this (only)
+    learner worker; None: Ray Train's shard of it (``get_dataset_shard("train")``)."""
+    if dataset is None:
+        import ray.train
 
-    it = iter(
-        ray.train.get_dataset_shard("train").iter_batches(
-            batch_size=local_batch_size, prefetch_batches=0, batch_format="numpy"
-        )
-    )
+        dataset = ray.train.get_dataset_shard("train")
+    it = iter(dataset.iter_batches(batch_size=local_batch_size, prefetch_batches=0, batch_format="numpy"))
     while True:
         try:
             batch = next(it)
