@@ -144,8 +144,14 @@ def startup(metrics: list[dict[str, Any]], marks: dict[str, float]) -> dict[str,
     process (``names.STARTUP_MARKS``) and the driver's ``marks``: ``process_started_at``,
     ``run_started_at``, ``ray_started_at``, ``ray_ready_at`` and ``fit_at`` (epoch seconds)."""
     out: dict[str, float | None] = dict.fromkeys(("startup_s", "first_step_s", *N.STARTUP_PARTS))
-    learner = next((m for m in reversed(metrics) if N.FIRST_STEP_AT in m), None)
-    if learner is None or "run_started_at" not in marks:
+    if "run_started_at" not in marks:
+        return out
+    # a row of an earlier process of the same run directory (a resume that had nothing left to
+    # train logs no step) is not this run's start-up
+    learner = next(
+        (m for m in reversed(metrics) if m.get(N.FIRST_STEP_AT, -1.0) >= marks["run_started_at"]), None
+    )
+    if learner is None:
         return out
     first_step = learner[N.FIRST_STEP_AT]
     points = [
