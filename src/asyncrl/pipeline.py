@@ -28,9 +28,9 @@ Faults (``README.md`` "Reliability"): a dead generator or scorer actor is restar
 and its block re-run (a generator's under the same admission); a dead learner worker makes Ray
 Train restart the worker group (``pipeline.max_learner_failures``), and the stream is rebuilt by
 ``StreamFactory`` (called at every start of the worker group: by Ray Train, or by the single
-learner worker itself) from the same latest
-checkpoint the learners load; a dead driver is resumed by running the same command again. Every
-sample drawn is accounted for in ``summary.json`` (``asyncrl.coordinator`` "Books").
+learner worker itself) from the same latest checkpoint the learners load; a dead driver is
+resumed by running the same command again. Every sample drawn is accounted for in
+``summary.json`` (``asyncrl.coordinator`` "Books").
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def build_dataset(
     faults = faults_of(cfg)
     configure_data_context(cfg)
     local = cfg.train.batch_size // pc.learner_workers
-    # from_blocks: each block's metadata is computed here, in the driver; from_arrow would run one
+    # from_blocks: each block's metadata is computed here, in this process; from_arrow would run one
     # Ray task per block for it (hundreds at start-up, competing with the stage actors' start)
     ds = (
         ray.data.from_blocks([_to_arrow(b) for b in blocks])
@@ -340,7 +340,6 @@ class StreamFactory:
         from asyncrl.workloads.checkpoints import load_tokenizer
 
         cfg = self.plan.cfg
-        configure_data_context(cfg)  # the calling process's: a learner worker's, or Train's controller
         ckpt = checkpoint.latest(cfg.run_dir)
         state, skip = None, None
         if ckpt is not None:

@@ -2,8 +2,7 @@
 
 Ray Train hands each learner worker its shard of the Ray Data stream (``asyncrl.pipeline``
 builds it; a single learner worker builds the whole stream itself); ``rollout_batches`` reads it
-as numpy batches, ``started_early`` starts it while the
-learner is still loading.
+as numpy batches, ``started_early`` starts it while the learner is still loading.
 """
 
 from __future__ import annotations
