@@ -78,7 +78,16 @@ BENCHES = [
         long129(
             40,
             3,
-            ["trl", "plain", "lag0_dense", "lag0_fused", "lag2_dense", "lag2_fused2", "lag2_fused2_mb2"],
+            [
+                "trl",
+                "plain",
+                "lag0_dense",
+                "lag0_fused",
+                "lag0_colocated",
+                "lag2_dense",
+                "lag2_fused2",
+                "lag2_fused2_mb2",
+            ],
         ),
         long129(6, 1, ["trl", "lag2_dense"]),
         uses_cache=True,
@@ -86,7 +95,7 @@ BENCHES = [
     ),
     Bench(
         "async_vs_sync",
-        "asyncrl plain loop vs max_lag=0 vs max_lag=2",
+        "asyncrl plain loop vs max_lag=0 (stage actors, and colocated) vs max_lag=2",
         "async_vs_sync.py",
         [],
         ["--preset", "tiny", "--steps", "12"],

@@ -25,6 +25,10 @@ seed 0, ``--steps`` optimizer steps:
   lag0_dense   asyncrl.run(...), pipeline.max_lag=0, dense forward KL
   lag0_fused   the same with pipeline.fuse_scoring=true: in lock-step nothing overlaps a block's
                scoring anyway, so generating and scoring it in one actor only removes a hand-off
+  lag0_colocated  max_lag=0, dense forward KL, pipeline.colocate=true: the learner process generates
+               and scores its blocks itself (no stage actors, no weight publication): lock-step's
+               own layout, one process like TRL and the plain loop
+  lag0_colocated_2t  the same with pipeline.torch_threads=2: the one process uses both cores, as TRL does
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
   lag2_top16   asyncrl.run(...), pipeline.max_lag=2, the demo default (top-16 forward KL, tail bucket)
   lag2_fused   the same with pipeline.fuse_scoring=true: generation and scoring in one actor, the
@@ -123,6 +127,18 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=0`, dense forward KL, `fuse_scoring`",
         "pipeline",
         ["pipeline.max_lag=0", "pipeline.fuse_scoring=true", *DENSE],
+        1,
+    ),
+    "lag0_colocated": (
+        "asyncrl `max_lag=0`, dense forward KL, `colocate` (rollouts in the learner process)",
+        "pipeline",
+        ["pipeline.max_lag=0", "pipeline.colocate=true", *DENSE],
+        1,
+    ),
+    "lag0_colocated_2t": (
+        "asyncrl `max_lag=0`, dense forward KL, `colocate`, 2 torch threads",
+        "pipeline",
+        ["pipeline.max_lag=0", "pipeline.colocate=true", "pipeline.torch_threads=2", *DENSE],
         1,
     ),
     "lag2_dense": ("asyncrl `max_lag=2`, dense forward KL", "pipeline", ["pipeline.max_lag=2", *DENSE], 1),

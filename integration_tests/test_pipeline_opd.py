@@ -95,8 +95,17 @@ def plain_loop_losses(cfg) -> list[float]:
     return losses
 
 
-def test_sync_reproduces_plain_loop(ray_local, tiny_pair, tmp_path):
-    cfg = tiny_config(tmp_path / "sync", "pipeline.max_lag=0", "train.steps=8", "train.eval_every=0")
+@pytest.mark.parametrize("colocate", [False, True], ids=["stages", "colocated"])
+def test_sync_reproduces_plain_loop(ray_local, tiny_pair, tmp_path, colocate):
+    """Through the stage actors, and colocated in the learner (``pipeline.colocate``): the same
+    samples, versions and losses as the plain loop."""
+    cfg = tiny_config(
+        tmp_path / "sync",
+        "pipeline.max_lag=0",
+        "train.steps=8",
+        "train.eval_every=0",
+        f"pipeline.colocate={str(colocate).lower()}",
+    )
     result = run(cfg)
     samples = read_samples(result.run_dir)
     assert len(samples) == 8 * cfg.train.batch_size
@@ -107,12 +116,19 @@ def test_sync_reproduces_plain_loop(ray_local, tiny_pair, tmp_path):
     np.testing.assert_allclose(losses, ref, atol=1e-5, rtol=0)
 
 
-def test_minibatches_count_versions_and_keep_sync_parity(ray_local, tiny_pair, tmp_path):
+@pytest.mark.parametrize("colocate", [False, True], ids=["stages", "colocated"])
+def test_minibatches_count_versions_and_keep_sync_parity(ray_local, tiny_pair, tmp_path, colocate):
     """``train.minibatches=2`` at max_lag 0: each generated batch takes two optimizer steps (the
     version counts steps), the first on-policy, the second one version later (PPO-style), and the
-    losses still match the plain loop doing the same."""
+    losses still match the plain loop doing the same (colocated too: the learner samples rollout
+    batch r from its own model at version 2r)."""
     cfg = tiny_config(
-        tmp_path / "mb2", "pipeline.max_lag=0", "train.minibatches=2", "train.steps=8", "train.eval_every=0"
+        tmp_path / "mb2",
+        "pipeline.max_lag=0",
+        "train.minibatches=2",
+        "train.steps=8",
+        "train.eval_every=0",
+        f"pipeline.colocate={str(colocate).lower()}",
     )
     result = run(cfg)
     samples = read_samples(result.run_dir)

@@ -101,10 +101,18 @@ def test_each_process_fault_alone(ray_local, tiny_pair, tmp_path, fault, check):
         assert check(result.summary), result.summary
 
 
-def test_learner_death_restart_reproduces_the_uninterrupted_run(ray_local, tiny_pair, tmp_path):
+@pytest.mark.parametrize("colocate", [False, True], ids=["stages", "colocated"])
+def test_learner_death_restart_reproduces_the_uninterrupted_run(ray_local, tiny_pair, tmp_path, colocate):
     """At max_lag 0 the run is deterministic: a learner restarted from its checkpoint (weights,
-    optimizer, RNG, controllers, the stream after the ledger) trains exactly the same steps."""
-    common = ("pipeline.max_lag=0", "train.steps=6", "train.eval_every=0", "train.checkpoint_every=2")
+    optimizer, RNG, controllers, the stream after the ledger) trains exactly the same steps; so
+    does a colocated one (``pipeline.colocate``), whose rollouts die and restart with it."""
+    common = (
+        "pipeline.max_lag=0",
+        "train.steps=6",
+        "train.eval_every=0",
+        "train.checkpoint_every=2",
+        f"pipeline.colocate={str(colocate).lower()}",
+    )
     clean = run(tiny_config(tmp_path / "clean", *common))
     again = run(tiny_config(tmp_path / "again", *common))
     crashed = run(tiny_config(tmp_path / "crashed", *common, "faults.learner_exit=3"))

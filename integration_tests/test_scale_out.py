@@ -6,7 +6,8 @@ The matrix is generators x scorers x learner workers x max_lag in {1,2,3} x {1,2
 the configuration that used to stall; 3 generators at max_lag 1; and the shipped GRPO config with
 its controllers on 2 generators, 2 reward scorers and 2 learner workers: composition at scale);
 the whole matrix runs with ``-m slow``. Also: fixed-lag mode with several generators, and
-``pipeline.fuse_scoring`` (one sampled cell; its matrix and GRPO's rewards with ``-m slow``).
+``pipeline.fuse_scoring`` (one sampled cell; its matrix and GRPO's rewards with ``-m slow``), and
+``pipeline.colocate`` (GRPO with its controllers on 2 learner workers).
 """
 
 from __future__ import annotations
@@ -90,6 +91,42 @@ def test_shipped_grpo_with_its_controllers_scales_out(ray_local, tiny_pair, tmp_
         assert m[N.ESS_LR_RHO] == pytest.approx(ess_np(lw), rel=1e-6)
         assert m[N.LAG_MAX] == rows["lag"].max()
         assert 0 < m["is/w_max"] <= 2.0 + 1e-6  # the truncated IS weights (rank 0's tokens)
+
+
+def test_colocated_grpo_on_two_learner_workers(ray_local, tiny_pair, tmp_path):
+    """``pipeline.colocate=true`` with the shipped GRPO config and its controllers on 2 learner
+    workers: the stream carries prompt blocks only (no stage in the graph), each rank generates its
+    own block from its own DDP replica and scores its rewards, and the contract holds strictly
+    on-policy: every sample trained at the version that generated it, groups whole, each step's
+    B samples from both ranks, the books complete."""
+    controllers = (
+        "controllers=[{name: truncated_is, options: {level: token, action: truncate, upper: 2.0}},"
+        " {name: ess_lr, options: {source: seq_clipped, clip: 2.0}}]"
+    )
+    result = run_cell(
+        tmp_path,
+        1,
+        1,
+        2,
+        0,
+        "pipeline.colocate=true",
+        "workload.preset=tiny",
+        "train.batch_size=32",
+        "train.group_size=8",
+        controllers,
+        config="grpo.yaml",
+    )
+    graph = stage_graph(result.config)
+    assert "Generate" not in graph and "ScoreReward" not in graph, graph
+    check_contract(result, steps=STEPS)
+    s = read_samples(result.run_dir)
+    kept = s[s["kept"]]
+    assert (kept["lag"] == 0).all() and (kept["version_first"] == kept["learner_version"]).all()
+    assert (kept.groupby("group_id").size() == 8).all()
+    assert kept.groupby("learner_version")["block_index"].nunique().eq(2).all()  # a block per rank
+    assert (kept["consumed_at"] >= kept["gen_done_at"]).all()  # the hops in order, generation first
+    summary = result.summary
+    assert summary["samples_trained"] == STEPS * 32 and summary["samples_dropped"] == 0
 
 
 @pytest.fixture

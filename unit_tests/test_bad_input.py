@@ -269,3 +269,34 @@ def test_a_failed_run_summary_says_failed(tmp_path: Path) -> None:
         and s["steps"] == 0
         and s["error"] == "RuntimeError: the learner died three times"
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("pipeline.max_lag=2", "pipeline.max_lag"),
+        ("pipeline.engine=vllm", "pipeline.engine"),
+        ("pipeline.generators=2", "pipeline.generators"),
+        ("pipeline.teacher_scorers=2", "pipeline.teacher_scorers"),
+        ("pipeline.fuse_scoring=true", "pipeline.fuse_scoring"),
+        ("pipeline.engine_options={dtype: bfloat16}", "pipeline.engine_options"),
+    ],
+)
+def test_colocate_names_the_setting_it_cannot_honour(override: str, field: str) -> None:
+    """``pipeline.colocate`` samples from the learner's own model, strictly on-policy: a setting it
+    would have to ignore (a lag, another engine, stage actors, engine dtype) is an error naming it."""
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["pipeline.colocate=true", "pipeline.max_lag=0", override])
+    assert err.value.field == field, str(err.value)
+    assert "colocate=false" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_colocate_reserves_only_the_learner_workers() -> None:
+    from asyncrl.plan import check_cpus
+
+    cfg = load_config(
+        TINY, ["pipeline.colocate=true", "pipeline.max_lag=0", "pipeline.engine_options={decode: hf}"]
+    )
+    check_cpus(cfg, cfg.pipeline.cpus_per_worker)  # no stage actors to reserve CPUs for
+    with pytest.raises(ValueError, match=r"pipeline\.cpus_per_worker"):
+        check_cpus(dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, colocate=False)), 0.5)

@@ -16,6 +16,7 @@ from asyncrl.coordinator import (
     BackgroundPublisher,
     CoordinatorError,
     PolicyStore,
+    PolicyStoreClient,
     pack_weights,
     unpack_weights,
 )
@@ -191,3 +192,10 @@ def test_admission_carries_the_weights_to_load():
 
     weights, (v0, v1) = asyncio.run(scenario())
     assert weights == [(0, [v0]), None, (1, [v1]), "absent"]
+
+
+def test_unpublished_weights_are_an_error_naming_colocate() -> None:
+    """A colocated run publishes versions without weights (ref None): an engine that asks for them
+    gets an error naming the setting, never an empty or stale state dict."""
+    with pytest.raises(CoordinatorError, match=r"pipeline\.colocate"):
+        PolicyStoreClient(handle=None)._fetch(3, None)

@@ -144,6 +144,12 @@ class PipelineConfig:
         help="score each block in the generator actor that generated it (one stage hand-off fewer; "
         "teacher_scorers must then be 1)",
     )
+    colocate: bool = field(
+        False,
+        help="generate and score inside each learner worker, with its own model (strict on-policy: "
+        "max_lag=0, engine=hf): no stage actors, no weight publication, no stage hand-offs; lock-step "
+        "has nothing to overlap, so this is its fast layout (verl's hybrid engine)",
+    )
     cpus_per_actor: float = field(0.5, help="logical CPUs reserved per generator/teacher actor")
     cpus_per_worker: float = field(0.5, help="logical CPUs reserved per learner worker")
     generator_resources: dict[str, float] = field(
@@ -199,6 +205,34 @@ class PipelineConfig:
             "with fuse_scoring=true every generator scores its own blocks: set teacher_scorers=1 "
             "(or fuse_scoring=false)",
         )
+        if self.colocate:  # each learner worker generates and scores its own blocks, in step
+            fix = "or set pipeline.colocate=false"
+            why = {
+                "max_lag": (self.max_lag == 0, "colocate=true is strict on-policy: use 0"),
+                "engine": (
+                    self.engine == "hf",
+                    "colocate=true samples from the learner's own model: use 'hf'",
+                ),
+                "generators": (self.generators == 1, "colocate=true runs no stage actors: leave it at 1"),
+                "teacher_scorers": (
+                    self.teacher_scorers == 1,
+                    "colocate=true runs no stage actors: leave it at 1",
+                ),
+                "fuse_scoring": (
+                    not self.fuse_scoring,
+                    "colocate=true scores in the learner: leave it false",
+                ),
+            }
+            for name, (ok, what) in why.items():
+                check(ok, name, getattr(self, name), f"{what} ({fix})")
+            extra = sorted(set(self.engine_options) - {"decode"})
+            check(
+                not extra,
+                "engine_options",
+                self.engine_options,
+                f"colocate=true shares the learner's model (its dtype, device and threads): only 'decode' "
+                f"applies; drop {extra} ({fix})",
+            )
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
         check(self.max_engine_restarts >= 0, "max_engine_restarts", self.max_engine_restarts, "use >= 0")
         check(self.max_learner_failures >= 0, "max_learner_failures", self.max_learner_failures, "use >= 0")

@@ -238,6 +238,11 @@ class PolicyStore:
         self.closed = True
         self._notify()
 
+    def current_stream(self) -> int:
+        """The id of the current prompt stream (``begin_stream``): a colocated learner's generator
+        tags its requests with it, so a request left over from a dead worker is never admitted."""
+        return self.stream
+
     def engine_died(self) -> int:
         """A generator's engine died (it is about to restart); returns the run's death count."""
         self.engine_deaths += 1
@@ -328,15 +333,25 @@ class PolicyStoreClient:
     def begin_stream(self, state: dict[str, Any] | None) -> int:
         return self._call("begin_stream", state)
 
-    def start(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self._call("start", [ray.put(pack_weights(state_dict))], version)
+    def start(self, state_dict: Mapping[str, torch.Tensor] | None, version: int) -> None:
+        """The learner starts at ``version``; ``state_dict`` None: no engine reads weights from the
+        store (``pipeline.colocate``: they sample from the learner's own model)."""
+        self._call("start", [_put(state_dict)], version)
 
     def publish(
-        self, state_dict: Mapping[str, torch.Tensor], version: int, consumed: tuple[int, int] | None = None
+        self,
+        state_dict: Mapping[str, torch.Tensor] | None,
+        version: int,
+        consumed: tuple[int, int] | None = None,
     ) -> None:
-        self._call("publish", [ray.put(pack_weights(state_dict))], version, consumed)
+        self._call("publish", [_put(state_dict)], version, consumed)
 
     def _fetch(self, version: int, ref: Any) -> dict[str, torch.Tensor]:
+        if ref is None:
+            raise CoordinatorError(
+                f"weights v{version} were not published: in a colocated run (pipeline.colocate) the engines "
+                f"sample from the learner's own model, which holds the current version only"
+            )
         try:
             return unpack_weights(ray.get(ref, timeout=self.timeout_s))
         except ray.exceptions.GetTimeoutError as err:
@@ -354,6 +369,9 @@ class PolicyStoreClient:
     def close(self) -> None:
         self._call("close")
 
+    def current_stream(self) -> int:
+        return self._call("current_stream")
+
     def engine_died(self) -> int:
         return self._call("engine_died")
 
@@ -365,6 +383,11 @@ class PolicyStoreClient:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._call("load_state_dict", state)
+
+
+def _put(state_dict: Mapping[str, torch.Tensor] | None) -> Any:
+    """An object ref to the packed weights, or None (weights not published)."""
+    return None if state_dict is None else ray.put(pack_weights(state_dict))
 
 
 class BackgroundPublisher:
@@ -387,7 +410,7 @@ class BackgroundPublisher:
         self._thread.start()
 
     def submit(
-        self, state_dict: Mapping[str, torch.Tensor], version: int, consumed: tuple[int, int] | None
+        self, state_dict: Mapping[str, torch.Tensor] | None, version: int, consumed: tuple[int, int] | None
     ) -> None:
         self._raise()
         self._queue.put((state_dict, version, consumed))

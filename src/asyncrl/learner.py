@@ -9,6 +9,9 @@ Per rollout batch (one Ray Data block per learner worker, in stream order)::
         log the step                                  asyncrl.telemetry.steps.StepLogger
     checkpoint when due                               asyncrl.checkpoint.Checkpointer
 
+With ``pipeline.colocate`` the stream holds prompt blocks, and each one is generated and scored
+here, from this worker's own model at ``v`` (``asyncrl.stages.Colocated``), as it is taken.
+
 Learner version ``v`` = optimizer steps applied; generators tag tokens with it, and a sample's
 lag at consumption is ``v - version_first``. The math is in ``asyncrl.step`` (Ray-free, the same
 function users' own loops call); this module wires it to the stream, the weight publication,
@@ -66,6 +69,9 @@ class LearnerSpec:
     #: Ray Train's dataset integration, whose DatasetManager actor (a process that imports torch)
     #: the stream would otherwise wait for. None: Ray Train's shard (``datasets={"train": ...}``)
     stream: Callable[[], Any] | None = None
+    #: ``pipeline.colocate``: the stages' arguments (``asyncrl.pipeline.StageSpecs``); this worker
+    #: generates and scores its prompt blocks itself, on its own model (``asyncrl.stages.Colocated``)
+    colocated: Any | None = None
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -101,6 +107,11 @@ def _train(spec: LearnerSpec, started_at: float) -> None:
     # import torch and load a model) start while this worker loads its model and evaluates
     batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world, dataset))
     w = Learner(spec)
+    if spec.colocated is not None:  # the stream holds prompt blocks: rollouts are made here, in step
+        from asyncrl.stages import Colocated
+
+        rollout = Colocated(spec.colocated, w.parts.backend.module)
+        batches = (rollout(prompts, w.version) for prompts in batches)
     w.start()  # publish the starting weights (admission opens), then the step-0 eval
     w.steps.ready(started_at)
     if w.version >= tc.steps:  # resumed from the final checkpoint: nothing left to train
@@ -184,9 +195,10 @@ class Learner:
 
     def start(self) -> None:
         """Publish the starting weights (admission opens), then evaluate them (a fresh run): the
-        first rollout batch is generated and scored while the step-0 eval runs, not after it."""
+        first rollout batch is generated and scored while the step-0 eval runs, not after it
+        (colocated: after it, in this process)."""
         if self.rank0:
-            self.store.start(publishable_state(self.parts.backend.module), self.version)
+            self.store.start(self.weights(), self.version)
         self.steps.start(self.version)
 
     def publish(self, result: Any, *, consumed: tuple[int, int] | None) -> None:
@@ -194,7 +206,11 @@ class Learner:
         The snapshot is taken now; the put and the store call run in the publisher's thread."""
         self.version = result.version
         if self.rank0 and (result.stepped or consumed is not None):
-            self.publisher.submit(publishable_state(self.parts.backend.module), self.version, consumed)
+            self.publisher.submit(self.weights(), self.version, consumed)
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """What the store ships to the engines; None in a colocated run (they sample from this model)."""
+        return None if self.spec.colocated is not None else publishable_state(self.parts.backend.module)
 
     def consumed(self, batch: dict[str, np.ndarray], counts: list[int]) -> None:
         """Books of a finished rollout batch: counts and the ledger of consumed sample ids (all ranks)."""

@@ -8,6 +8,11 @@
       -> Ray Train TorchTrainer (train_loop_per_worker in asyncrl.learner), blocks in the same order
            rank 0 publishes weights after every optimizer step and releases each rollout batch
 
+``pipeline.colocate`` (strict on-policy): the stream carries the prompt blocks only, and each learner
+worker generates and scores its blocks itself, on its own model (``asyncrl.stages.Colocated``):
+lock-step has nothing to overlap, so one process per rank does it with no weight publication, no
+stage hand-offs and no stage actors to start.
+
 Ordering rule: blocks are admitted in stream order (``AdmissionBudget``) and consumed in stream
 order (Ray Data ``preserve_order``; with W learner workers the split hands rank ``k`` blocks
 ``k, k+W, ...``), so any number of generators, scorers and learner workers can neither deadlock
@@ -191,37 +196,24 @@ def faults_of(cfg: RunConfig) -> Faults:
     return Faults(cfg.faults, str(Path(cfg.run_dir, "faults")))
 
 
-def build_dataset(
-    plan: RunPlan,
-    blocks: list[dict[str, np.ndarray]] | None,
-    namespace: str,
-    store_name: str,
-    *,
-    stream: int | None = None,
-    skip_ids: np.ndarray | None = None,
-) -> Any:
-    """The Ray Data graph: prompt blocks -> generation -> teacher (or reward) scoring, in order.
-    ``blocks`` cut in the driver (a built-in task), or None: ``plan.prompts`` streamed
-    (``asyncrl.stream``), without the samples in ``skip_ids`` (a resume's ledger).
-    ``stream``: the PolicyStore's id of this stream (``begin_stream``)."""
-    import ray.data
+@dataclass(frozen=True)
+class StageSpecs:
+    """The rollout stages' constructor arguments: ``Generate(**generate)`` and ``scorer(**score)``
+    (``ScoreTeacher`` for OPD, ``ScoreReward`` for RL). Ray Data builds them in its actor pools;
+    a colocated run (``pipeline.colocate``) in each learner worker (``asyncrl.stages.Colocated``)."""
 
-    from asyncrl.stages import Generate, GenerateAndScore, ScoreReward, ScoreTeacher
+    generate: dict[str, Any]
+    scorer: type
+    score: dict[str, Any]
+
+
+def stage_specs(plan: RunPlan, namespace: str, store_name: str, *, stream: int | None = None) -> StageSpecs:
+    """The stages of ``plan``; ``stream``: the PolicyStore's id of the stream they serve."""
+    from asyncrl.stages import ScoreReward, ScoreTeacher
 
     cfg = plan.cfg
     pc = cfg.pipeline
     faults = faults_of(cfg)
-    configure_data_context(cfg)
-    local = cfg.train.batch_size // pc.learner_workers
-    # from_blocks: each block's metadata is computed here, in this process; from_arrow would run one
-    # Ray task per block for it (hundreds at start-up, competing with the stage actors' start)
-    ds = (
-        ray.data.from_blocks([_to_arrow(b) for b in blocks])
-        if blocks is not None
-        else streamed(plan, skip_ids)
-    )
-    # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
-    actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     generate = dict(
         engine=pc.engine,
         student_dir=plan.models.student_dir,
@@ -238,25 +230,59 @@ def build_dataset(
         faults=faults,
     )
     if plan.rl:
-        scorer, kwargs = (
+        return StageSpecs(
+            generate,
             ScoreReward,
             dict(task=cfg.workload.task, tokenizer_dir=plan.models.student_dir, faults=faults),
         )
-    else:
-        scorer, kwargs = (
-            ScoreTeacher,
-            dict(
-                teacher_dir=plan.models.teacher_dir,
-                cache=plan.cache_kind,
-                cache_options=plan.cache_options,
-                task=cfg.workload.task,
-                seed=cfg.seed,
-                torch_threads=pc.torch_threads,
-                device=pc.device,
-                faults=faults,
-                dense_reference=dense_reference(cfg),
-            ),
-        )
+    score = dict(
+        teacher_dir=plan.models.teacher_dir,
+        cache=plan.cache_kind,
+        cache_options=plan.cache_options,
+        task=cfg.workload.task,
+        seed=cfg.seed,
+        torch_threads=pc.torch_threads,
+        device=pc.device,
+        faults=faults,
+        dense_reference=dense_reference(cfg),
+    )
+    return StageSpecs(generate, ScoreTeacher, score)
+
+
+def build_dataset(
+    plan: RunPlan,
+    blocks: list[dict[str, np.ndarray]] | None,
+    namespace: str,
+    store_name: str,
+    *,
+    stream: int | None = None,
+    skip_ids: np.ndarray | None = None,
+) -> Any:
+    """The Ray Data graph: prompt blocks -> generation -> teacher (or reward) scoring, in order.
+    ``blocks`` cut in the driver (a built-in task), or None: ``plan.prompts`` streamed
+    (``asyncrl.stream``), without the samples in ``skip_ids`` (a resume's ledger).
+    ``stream``: the PolicyStore's id of this stream (``begin_stream``). A colocated run
+    (``pipeline.colocate``): the prompt blocks only; each learner worker generates and scores them."""
+    import ray.data
+
+    from asyncrl.stages import Generate, GenerateAndScore
+
+    cfg = plan.cfg
+    pc = cfg.pipeline
+    configure_data_context(cfg)
+    local = cfg.train.batch_size // pc.learner_workers
+    # from_blocks: each block's metadata is computed here, in this process; from_arrow would run one
+    # Ray task per block for it (hundreds at start-up, competing with the stage actors' start)
+    ds = (
+        ray.data.from_blocks([_to_arrow(b) for b in blocks])
+        if blocks is not None
+        else streamed(plan, skip_ids)
+    )
+    if pc.colocate:
+        return ds
+    stages = stage_specs(plan, namespace, store_name, stream=stream)
+    # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
+    actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     if pc.fuse_scoring:  # one actor pool generates and scores each block
         return ds.map_batches(
             GenerateAndScore,
@@ -265,7 +291,7 @@ def build_dataset(
             num_cpus=pc.cpus_per_actor,
             num_gpus=actor_gpus,
             resources=dict(pc.generator_resources) or None,
-            fn_constructor_kwargs=dict(generate=generate, scorer=scorer, score=kwargs),
+            fn_constructor_kwargs=dict(generate=stages.generate, scorer=stages.scorer, score=stages.score),
         )
     ds = ds.map_batches(
         Generate,
@@ -274,16 +300,16 @@ def build_dataset(
         num_cpus=pc.cpus_per_actor,
         num_gpus=actor_gpus,
         resources=dict(pc.generator_resources) or None,
-        fn_constructor_kwargs=generate,
+        fn_constructor_kwargs=stages.generate,
     )
     return ds.map_batches(
-        scorer,
+        stages.scorer,
         batch_size=local,
         compute=ray.data.ActorPoolStrategy(size=pc.teacher_scorers, max_tasks_in_flight_per_actor=1),
         num_cpus=pc.cpus_per_actor,
         num_gpus=None if plan.rl else actor_gpus,  # the reward stage needs no GPU
         resources=dict(pc.scorer_resources) or None,
-        fn_constructor_kwargs=kwargs,
+        fn_constructor_kwargs=stages.score,
     )
 
 
@@ -492,6 +518,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             eval_prompts=[(e.prompt, e.answer) for e in eval_ex[: cfg.train.eval_size]],
             faults=faults_of(cfg),
             stream=stream if single else None,
+            colocated=stage_specs(plan, namespace, store_name) if pc.colocate else None,
         )
         trainer = TorchTrainer(
             train_loop_per_worker,

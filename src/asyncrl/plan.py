@@ -258,7 +258,9 @@ def check_gpus(cfg: RunConfig, cluster_gpus: float, *, rl: bool) -> None:
             f"{pc.gpus_per_worker:g}: Ray would pack several ranks onto one GPU, which NCCL refuses; "
             f"use pipeline.gpus_per_worker=1 (one GPU per rank) or pipeline.learner_workers=1"
         )
-    need, parts = _reserved(cfg, "gpus", pc.generators + (0 if rl else pc.teacher_scorers))
+    need, parts = _reserved(
+        cfg, "gpus", 0 if pc.colocate else pc.generators + (0 if rl else pc.teacher_scorers)
+    )
     if cluster_gpus + 1e-9 < need:
         raise ValueError(
             f"pipeline.device=cuda reserves {need:g} GPUs ({parts}) but the Ray cluster has "
@@ -287,9 +289,11 @@ def local_cpus(cfg: RunConfig) -> int:
 
 
 def check_cpus(cfg: RunConfig, cluster_cpus: float) -> None:
-    """The CPU shares the run reserves (learner workers, generators, scorers) must fit the Ray
-    cluster's logical CPUs, else an actor waits for them forever."""
-    need, parts = _reserved(cfg, "cpus", cfg.pipeline.generators + cfg.pipeline.teacher_scorers)
+    """The CPU shares the run reserves (learner workers, generators, scorers; a colocated run
+    only its learner workers) must fit the Ray cluster's logical CPUs, else an actor waits for
+    them forever."""
+    pc = cfg.pipeline
+    need, parts = _reserved(cfg, "cpus", 0 if pc.colocate else pc.generators + pc.teacher_scorers)
     if cluster_cpus + 1e-9 < need:
         raise ValueError(
             f"the run reserves {need:g} CPUs ({parts}) but the Ray cluster has {cluster_cpus:g}: lower "

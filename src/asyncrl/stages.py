@@ -28,7 +28,7 @@ import torch
 
 from asyncrl import records as R
 from asyncrl.caches import CACHES, score_teacher
-from asyncrl.coordinator import PolicyStoreClient
+from asyncrl.coordinator import CoordinatorError, PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
 from asyncrl.faults import NO_FAULTS, Faults
@@ -79,16 +79,26 @@ class Generate:
         max_engine_restarts: int = 3,
         stream: int | None = None,
         faults: Faults = NO_FAULTS,
+        model: torch.nn.Module | None = None,
     ) -> None:
-        torch.set_num_threads(torch_threads)
-        try:
-            engine_cls = ENGINES.get(engine)
-        except RegistryError as err:  # the driver imported it; this Ray worker cannot
-            raise RegistryError(
-                f"{err} (in a generator actor: the module of a dotted-path pipeline.engine must be "
-                f"importable on every Ray node; install it, or put its directory on the workers' PYTHONPATH)"
-            ) from err
-        self.engine = engine_cls.from_pretrained(student_dir, version=0, **(engine_options or {}))
+        if model is not None:  # a learner worker's own model (``pipeline.colocate``): no weights to load
+            from asyncrl.engines.hf import HFEngine
+            from asyncrl.workloads.checkpoints import load_tokenizer
+
+            # the model's device and dtype are the learner's; of the options only decode applies
+            decode = (engine_options or {}).get("decode", "auto")
+            self.engine = HFEngine(model, load_tokenizer(student_dir), decode=decode)
+        else:
+            torch.set_num_threads(torch_threads)
+            try:
+                engine_cls = ENGINES.get(engine)
+            except RegistryError as err:  # the driver imported it; this Ray worker cannot
+                raise RegistryError(
+                    f"{err} (in a generator actor: the module of a dotted-path pipeline.engine must be "
+                    f"importable on every Ray node; install it, or put its directory on the workers' "
+                    f"PYTHONPATH)"
+                ) from err
+            self.engine = engine_cls.from_pretrained(student_dir, version=0, **(engine_options or {}))
         self.params = SamplingParams(**sampling)
         self.store = PolicyStoreClient.connect(namespace, timeout_s=rpc_timeout_s, name=store_name)
         self.seed = seed
@@ -286,3 +296,39 @@ class GenerateAndScore:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.score(self.generate(batch))
+
+
+class Colocated:
+    """Generation and scoring inside a learner worker (``pipeline.colocate``), on its own model.
+
+    Strict on-policy training (``max_lag = 0``) has nothing to overlap: block ``k+1`` is
+    generated with the weights block ``k`` produced, and scored with the completions it sampled.
+    So a colocated run keeps one process per learner rank (verl's "hybrid engine" layout): the
+    engine samples from the learner's model in place (no weight publication, no copy), and the
+    teacher lives beside it; the Ray Data stream carries prompt blocks only. Admission still goes
+    through the PolicyStore, so the books, the ordering rule and the controller chain's ``admit``
+    hooks are the pipeline's own; the stage columns (versions, timings, nodes) are the same too.
+
+    ``stages``: the pipeline's ``StageSpecs``; ``model``: the learner's (unwrapped) module."""
+
+    def __init__(self, stages: Any, model: torch.nn.Module) -> None:
+        self.generate = Generate(**stages.generate, model=model)
+        self.score = stages.scorer(**stages.score)
+        # the stream this worker group was started with (built before this, by the single worker
+        # itself or by Ray Train): admission requests carry its id, as the stage actors' do
+        self.generate.stream = self.generate.store.current_stream()
+
+    def __call__(self, batch: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
+        """Block ``batch`` of prompt rows -> scored rollouts, sampled from the model at ``version``."""
+        self.generate.engine.weights_updated(version)
+        self.generate.have_version = version
+        rollouts = self.generate(batch)
+        if len(rollouts[R.SAMPLE_ID]) == 0 < len(batch[R.SAMPLE_ID]):  # admission answered None
+            raise CoordinatorError(
+                f"block {int(np.asarray(batch[R.BLOCK_INDEX])[0])} was refused admission: the PolicyStore "
+                f"closed or began another stream while this learner worker still trains"
+            )
+        out = self.score(rollouts)
+        # the learner has it now: a sample's hops (generated, scored, consumed) stay in order
+        out["consumed_at"] = np.full(len(out[R.SAMPLE_ID]), time.time())
+        return out

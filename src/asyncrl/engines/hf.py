@@ -186,6 +186,11 @@ class HFEngine:
             )
         self._version = version
 
+    def weights_updated(self, version: int) -> None:
+        """The model's weights were changed in place (a learner stepped the module this engine
+        samples from, ``pipeline.colocate``): stamp later tokens with ``version``."""
+        self._version = check_version(version)
+
     # --- generation ----------------------------------------------------------------------
     @torch.inference_mode()
     def generate(
