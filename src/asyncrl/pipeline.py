@@ -355,15 +355,20 @@ class StreamFactory:
     learners will load: the PolicyStore's books go back to that checkpoint (``begin_stream``), and
     the new stream leaves out the ledger's samples and numbers its blocks from 0, as the restored
     learner's admission expects. Prompt files (``plan.prompts``) are streamed (``streamed``: the stream
-    skips the same ledger); a built-in task's blocks are cut here (``prompt_blocks``)."""
+    skips the same ledger); a built-in task's blocks are cut here (``prompt_blocks``), except at a
+    start with no checkpoint, which takes ``fresh``: the same blocks, cut by the driver while Ray
+    started (``fresh_blocks``), so the first stage actors are not kept waiting for a tokenizer."""
 
     plan: RunPlan
     namespace: str
     store_name: str
+    #: an object ref to ``fresh_blocks(plan)`` (None: cut them here)
+    fresh: Any = None
 
     def __call__(self) -> Any:
+        import ray
+
         from asyncrl.coordinator import PolicyStoreClient
-        from asyncrl.workloads.checkpoints import load_tokenizer
 
         cfg = self.plan.cfg
         ckpt = checkpoint.latest(cfg.run_dir)
@@ -378,11 +383,22 @@ class StreamFactory:
             return build_dataset(
                 self.plan, None, self.namespace, self.store_name, stream=stream, skip_ids=skip
             )
-        tokenizer = load_tokenizer(self.plan.models.student_dir)
-        train_ex, _ = load_examples(cfg)
-        width = cfg.workload.max_prompt_tokens or self.plan.max_prompt_len
-        blocks = prompt_blocks(cfg, train_ex, tokenizer, width, skip)
+        if ckpt is None and self.fresh is not None:
+            blocks = ray.get(self.fresh)
+        else:
+            blocks = fresh_blocks(self.plan, skip)
         return build_dataset(self.plan, blocks, self.namespace, self.store_name, stream=stream)
+
+
+def fresh_blocks(plan: RunPlan, skip: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
+    """A built-in task's prompt blocks (``prompt_blocks``), leaving out the ledger's ``skip``."""
+    from asyncrl.workloads.checkpoints import load_tokenizer
+
+    cfg = plan.cfg
+    tokenizer = load_tokenizer(plan.models.student_dir)
+    train_ex, _ = load_examples(cfg)
+    width = cfg.workload.max_prompt_tokens or plan.max_prompt_len
+    return prompt_blocks(cfg, train_ex, tokenizer, width, skip)
 
 
 #: the PolicyStore's books, rewritten on every change (a resumed driver continues them)
@@ -424,6 +440,18 @@ def prepare_run_dir(plan: RunPlan) -> None:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def prepare_driver(plan: RunPlan | None, out: list[Any]) -> None:
+    """``run``'s work beside ``ray.init``: ``import_run_modules``, then (``plan`` given) a fresh
+    run's blocks appended to ``out``. A failure here is left for ``run`` to raise: the stream's
+    factory then cuts the blocks itself."""
+    import_run_modules()
+    if plan is not None:
+        try:
+            out.append(fresh_blocks(plan))
+        except Exception:  # raised again where StreamFactory cuts them
+            return
 
 
 def import_run_modules() -> None:
@@ -469,9 +497,13 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     save_config(cfg, run_dir / "config.yaml")
     _, eval_ex = load_examples(cfg)
 
-    # the driver's remaining imports (Ray Train, the learner, pandas: about 2 s of CPU) run while
-    # ray.init waits for Ray's processes, on the core it leaves idle
-    imports = threading.Thread(target=import_run_modules, name="asyncrl-imports", daemon=True)
+    # the driver's remaining imports (Ray Train, the learner, pandas: about 2 s of CPU) and a fresh
+    # run's prompt blocks run while ray.init waits for Ray's processes, on the core it leaves idle
+    fresh: list[Any] = []
+    cut = plan.prompts is None and plan.resume_dir is None
+    imports = threading.Thread(
+        target=prepare_driver, args=(plan if cut else None, fresh), name="asyncrl-imports", daemon=True
+    )
     imports.start()
     marks["ray_started_at"] = time.time()
     started = init_ray(cfg)
@@ -506,7 +538,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             resume_books=plan.resume_dir is not None,
         )
         configure_data_context(cfg)  # captured by Ray Train for its workers
-        stream = StreamFactory(plan, namespace, store_name)
+        stream = StreamFactory(plan, namespace, store_name, fresh=ray.put(fresh[0]) if fresh else None)
         single = pc.learner_workers == 1  # the one worker builds and runs the whole stream itself
         spec = LearnerSpec(
             cfg=cfg,
