@@ -4,8 +4,9 @@
   restart) resumes from the per-rank shards and the ledger balances (no sample trained twice,
   every step once).
 - max_lag 0 (lock-step, deterministic with one learner worker): DeepSpeed reproduces the DDP
-  backend's per-step losses, and a learner death restarted inside the run reproduces the
-  uninterrupted DeepSpeed run.
+  backend's per-step losses, a colocated run (``pipeline.colocate``: rollouts made on the
+  DeepSpeed engine's own module) reproduces the stage-actor one, and a learner death restarted
+  inside the run reproduces the uninterrupted DeepSpeed run.
 
 Skipped only when deepspeed is not installed and ``CI`` is unset; under CI a missing extra fails.
 """
@@ -88,12 +89,22 @@ def test_lockstep_matches_ddp_and_resumes_exactly(ray_local, tiny_pair, tmp_path
     resume_cfg = tiny_config(
         tmp_path / "ds_resume", *DS, *common, "train.checkpoint_every=3", "faults.learner_exit=4"
     )
+    colocated_cfg = tiny_config(tmp_path / "ds_colocated", *DS, *common, "pipeline.colocate=true")
     ddp = losses(run(ddp_cfg).run_dir)
     ds = losses(run(ds_cfg).run_dir)
     assert sorted(ds) == sorted(ddp) == list(range(1, 7))
     diff = max(abs(ds[s] - ddp[s]) for s in ddp)
     print(f"max |loss_deepspeed - loss_ddp| over {len(ddp)} steps: {diff:.3g}")
     assert diff <= 1e-4, (ds, ddp)
+
+    # colocated: the same samples, generated and scored in the learner on the engine's module
+    colocated = run(colocated_cfg)
+    assert colocated.summary["ledger_balanced"] and colocated.summary["lag_max"] == 0
+    same = losses(colocated.run_dir)
+    assert sorted(same) == list(range(1, 7))
+    gap = max(abs(same[s] - ds[s]) for s in ds)
+    print(f"max |loss_colocated - loss_stage_actors| (deepspeed): {gap:.3g}")
+    assert gap <= 1e-5, (same, ds)
 
     # the learner dies after step 4; Ray Train restarts it from the step-3 checkpoint: the
     # optimizer state came back exactly
