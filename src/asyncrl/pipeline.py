@@ -386,19 +386,19 @@ class StreamFactory:
         if ckpt is None and self.fresh is not None:
             blocks = ray.get(self.fresh)
         else:
-            blocks = fresh_blocks(self.plan, skip)
+            blocks = fresh_blocks(self.plan, load_examples(cfg)[0], skip)
         return build_dataset(self.plan, blocks, self.namespace, self.store_name, stream=stream)
 
 
-def fresh_blocks(plan: RunPlan, skip: np.ndarray | None = None) -> list[dict[str, np.ndarray]]:
-    """A built-in task's prompt blocks (``prompt_blocks``), leaving out the ledger's ``skip``."""
+def fresh_blocks(
+    plan: RunPlan, train_ex: list[Any], skip: np.ndarray | None = None
+) -> list[dict[str, np.ndarray]]:
+    """A built-in task's prompt blocks of ``train_ex`` (``prompt_blocks``), without the ledger's ``skip``."""
     from asyncrl.workloads.checkpoints import load_tokenizer
 
     cfg = plan.cfg
-    tokenizer = load_tokenizer(plan.models.student_dir)
-    train_ex, _ = load_examples(cfg)
     width = cfg.workload.max_prompt_tokens or plan.max_prompt_len
-    return prompt_blocks(cfg, train_ex, tokenizer, width, skip)
+    return prompt_blocks(cfg, train_ex, load_tokenizer(plan.models.student_dir), width, skip)
 
 
 #: the PolicyStore's books, rewritten on every change (a resumed driver continues them)
@@ -442,14 +442,14 @@ def prepare_run_dir(plan: RunPlan) -> None:
             )
 
 
-def prepare_driver(plan: RunPlan | None, out: list[Any]) -> None:
+def prepare_driver(plan: RunPlan | None, train_ex: list[Any] | None, out: list[Any]) -> None:
     """``run``'s work beside ``ray.init``: ``import_run_modules``, then (``plan`` given) a fresh
-    run's blocks appended to ``out``. A failure here is left for ``run`` to raise: the stream's
-    factory then cuts the blocks itself."""
+    run's blocks of ``train_ex`` appended to ``out``. A failure here is left for ``run`` to raise:
+    the stream's factory then cuts the blocks itself."""
     import_run_modules()
-    if plan is not None:
+    if plan is not None and train_ex is not None:
         try:
-            out.append(fresh_blocks(plan))
+            out.append(fresh_blocks(plan, train_ex))
         except Exception:  # raised again where StreamFactory cuts them
             return
 
@@ -495,14 +495,17 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare_run_dir(plan)
     save_config(cfg, run_dir / "config.yaml")
-    _, eval_ex = load_examples(cfg)
+    train_ex, eval_ex = load_examples(cfg)
 
     # the driver's remaining imports (Ray Train, the learner, pandas: about 2 s of CPU) and a fresh
     # run's prompt blocks run while ray.init waits for Ray's processes, on the core it leaves idle
     fresh: list[Any] = []
     cut = plan.prompts is None and plan.resume_dir is None
     imports = threading.Thread(
-        target=prepare_driver, args=(plan if cut else None, fresh), name="asyncrl-imports", daemon=True
+        target=prepare_driver,
+        args=(plan if cut else None, train_ex, fresh),
+        name="asyncrl-imports",
+        daemon=True,
     )
     imports.start()
     marks["ray_started_at"] = time.time()
