@@ -29,6 +29,10 @@ seed 0, ``--steps`` optimizer steps:
                and scores its blocks itself (no stage actors, no weight publication): lock-step's
                own layout, one process like TRL and the plain loop
   lag0_colocated_2t  the same with pipeline.torch_threads=2: the one process uses both cores, as TRL does
+  lag1_colocated  max_lag=1, dense forward KL, pipeline.colocate=true: asynchronous in one process, a
+               rollout thread (its own engine, the published weights) generates and scores block k+1
+               while the learner's thread trains block k; torch releases the GIL in its kernels
+  lag2_colocated  the same with max_lag=2
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
   lag2_top16   asyncrl.run(...), pipeline.max_lag=2, the demo default (top-16 forward KL, tail bucket)
   lag2_fused   the same with pipeline.fuse_scoring=true: generation and scoring in one actor, the
@@ -139,6 +143,18 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=0`, dense forward KL, `colocate`, 2 torch threads",
         "pipeline",
         ["pipeline.max_lag=0", "pipeline.colocate=true", "pipeline.torch_threads=2", *DENSE],
+        1,
+    ),
+    "lag1_colocated": (
+        "asyncrl `max_lag=1`, dense forward KL, `colocate` (a rollout thread beside the learner's step)",
+        "pipeline",
+        ["pipeline.max_lag=1", "pipeline.colocate=true", *DENSE],
+        1,
+    ),
+    "lag2_colocated": (
+        "asyncrl `max_lag=2`, dense forward KL, `colocate` (a rollout thread beside the learner's step)",
+        "pipeline",
+        ["pipeline.max_lag=2", "pipeline.colocate=true", *DENSE],
         1,
     ),
     "lag2_dense": ("asyncrl `max_lag=2`, dense forward KL", "pipeline", ["pipeline.max_lag=2", *DENSE], 1),

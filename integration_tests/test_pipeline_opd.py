@@ -1,7 +1,8 @@
 """End-to-end OPD through Ray Data + Ray Train on the tiny preset.
 
 - max_lag = 0 reproduces, step by step, the loss of a plain single-process loop written here.
-- max_lag in {0, 2}: every kept sample respects the bound and the student's accuracy rises.
+- max_lag in {0, 2} (and 2 colocated: a rollout thread in the learner's process): every kept
+  sample respects the bound and the student's accuracy rises.
 """
 
 from __future__ import annotations
@@ -145,12 +146,18 @@ def test_minibatches_count_versions_and_keep_sync_parity(ray_local, tiny_pair, t
     np.testing.assert_allclose([m["loss"] for m in metrics], plain_loop_losses(cfg), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("max_lag", [0, 2])
-def test_opd_respects_bound_and_learns(ray_local, small_pair, tmp_path, max_lag):
-    """The demo config (small preset, forward KL on the teacher top-16), 60 steps."""
+@pytest.mark.parametrize(
+    ("max_lag", "colocate"), [(0, False), (2, False), (2, True)], ids=["lag0", "lag2", "lag2-colocated"]
+)
+def test_opd_respects_bound_and_learns(ray_local, small_pair, tmp_path, max_lag, colocate):
+    """The demo config (small preset, forward KL on the teacher top-16), 60 steps. Colocated with a
+    lag (``pipeline.colocate``, ``max_lag=2``): a rollout thread of the learner's process, with its
+    own engine, generates while the learner trains; lag-0 samples' behavior log-probabilities
+    equal the learner's (``seq_log_ratio`` 0), so that engine held the weights it tagged."""
     cfg = tiny_config(
-        tmp_path / f"lag{max_lag}",
+        tmp_path / f"lag{max_lag}{'-colocated' if colocate else ''}",
         f"pipeline.max_lag={max_lag}",
+        f"pipeline.colocate={str(colocate).lower()}",
         "train.steps=60",
         "train.eval_every=20",
         config="opd_async.yaml",
@@ -163,6 +170,7 @@ def test_opd_respects_bound_and_learns(ray_local, small_pair, tmp_path, max_lag)
     assert kept["sample_id"].is_unique
     s = result.summary
     assert s["eval_accuracy_final"] > s["eval_accuracy_initial"], s
+    assert s["ledger_balanced"], s
     kl = [m["est/kl_value"] for m in read_metrics(result.run_dir) if "est/kl_value" in m]
     assert np.mean(kl[-15:]) < np.mean(kl[:15]), "distillation did not reduce KL(teacher || student)"
     if max_lag > 0:

@@ -124,6 +124,21 @@ def test_learner_death_restart_reproduces_the_uninterrupted_run(ray_local, tiny_
     assert_complete_and_exact(crashed, max_lag=0)
 
 
+def test_a_colocated_rollout_thread_restarts_with_its_learner(ray_local, tiny_pair, tmp_path):
+    """``pipeline.colocate`` with ``max_lag=2``: the rollout thread lives in the learner's process,
+    so the learner's death takes the blocks it had admitted but not yet handed over; the restarted
+    learner (checkpoint at step 3) resumes the stream after its ledger and a new thread regenerates
+    them: every step once, no sample twice, the bound held, the books balanced."""
+    result = run(
+        tiny_config(
+            tmp_path / "run", *BASE, "pipeline.max_lag=2", "pipeline.colocate=true", "faults.learner_exit=4"
+        )
+    )
+    assert_complete_and_exact(result, max_lag=2)
+    s = result.summary
+    assert s["learner_restarts"] == 1 and s["samples_regenerated"] > 0, s
+
+
 def test_the_numerics_guard_stops_the_run_and_the_rerun_resumes(ray_local, tiny_pair, tmp_path):
     run_dir = tmp_path / "nan"
     args = (*BASE, "train.max_nonfinite_steps=2", "faults.nonfinite_step=4", "faults.nonfinite_count=50")

@@ -93,12 +93,14 @@ def test_shipped_grpo_with_its_controllers_scales_out(ray_local, tiny_pair, tmp_
         assert 0 < m["is/w_max"] <= 2.0 + 1e-6  # the truncated IS weights (rank 0's tokens)
 
 
-def test_colocated_grpo_on_two_learner_workers(ray_local, tiny_pair, tmp_path):
+@pytest.mark.parametrize("max_lag", [0, 1], ids=["in-step", "rollout-thread"])
+def test_colocated_grpo_on_two_learner_workers(ray_local, tiny_pair, tmp_path, max_lag):
     """``pipeline.colocate=true`` with the shipped GRPO config and its controllers on 2 learner
     workers: the stream carries prompt blocks only (no stage in the graph), each rank generates its
-    own block from its own DDP replica and scores its rewards, and the contract holds strictly
-    on-policy: every sample trained at the version that generated it, groups whole, each step's
-    B samples from both ranks, the books complete."""
+    own block and scores its rewards, and the contract holds: groups whole, each step's B samples
+    from both ranks, the books complete. At max_lag 0 from its own DDP replica, strictly on-policy
+    (every sample trained at the version that generated it); at max_lag 1 by each rank's rollout
+    thread, its own engine loading the published weights, within the bound."""
     controllers = (
         "controllers=[{name: truncated_is, options: {level: token, action: truncate, upper: 2.0}},"
         " {name: ess_lr, options: {source: seq_clipped, clip: 2.0}}]"
@@ -108,7 +110,7 @@ def test_colocated_grpo_on_two_learner_workers(ray_local, tiny_pair, tmp_path):
         1,
         1,
         2,
-        0,
+        max_lag,
         "pipeline.colocate=true",
         "workload.preset=tiny",
         "train.batch_size=32",
@@ -121,7 +123,12 @@ def test_colocated_grpo_on_two_learner_workers(ray_local, tiny_pair, tmp_path):
     check_contract(result, steps=STEPS)
     s = read_samples(result.run_dir)
     kept = s[s["kept"]]
-    assert (kept["lag"] == 0).all() and (kept["version_first"] == kept["learner_version"]).all()
+    if max_lag == 0:
+        assert (kept["lag"] == 0).all() and (kept["version_first"] == kept["learner_version"]).all()
+    else:  # each block generated with the weights its admission brought (no pinning here: the latest)
+        assert kept["lag"].max() <= max_lag
+        assert (kept["version_first"] == kept["version_last"]).all()
+        assert (kept["version_first"] >= kept["admit_version"]).all()
     assert (kept.groupby("group_id").size() == 8).all()
     assert kept.groupby("learner_version")["block_index"].nunique().eq(2).all()  # a block per rank
     assert (kept["consumed_at"] >= kept["gen_done_at"]).all()  # the hops in order, generation first

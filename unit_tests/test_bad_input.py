@@ -274,7 +274,6 @@ def test_a_failed_run_summary_says_failed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("pipeline.max_lag=2", "pipeline.max_lag"),
         ("pipeline.engine=vllm", "pipeline.engine"),
         ("pipeline.generators=2", "pipeline.generators"),
         ("pipeline.teacher_scorers=2", "pipeline.teacher_scorers"),
@@ -283,12 +282,30 @@ def test_a_failed_run_summary_says_failed(tmp_path: Path) -> None:
     ],
 )
 def test_colocate_names_the_setting_it_cannot_honour(override: str, field: str) -> None:
-    """``pipeline.colocate`` samples from the learner's own model, strictly on-policy: a setting it
-    would have to ignore (a lag, another engine, stage actors, engine dtype) is an error naming it."""
+    """``pipeline.colocate`` generates in the learner's process; at ``max_lag=0`` from the learner's
+    own model: a setting it would have to ignore (another engine, stage actors, an engine dtype
+    in step) is an error naming it."""
     with pytest.raises(ConfigError) as err:
         load_config(TINY, ["pipeline.colocate=true", "pipeline.max_lag=0", override])
     assert err.value.field == field, str(err.value)
     assert "colocate=false" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_colocate_with_a_lag_runs_its_own_engine() -> None:
+    """``max_lag >= 1`` with ``colocate``: a rollout thread with its own engine, so every engine
+    option applies; stage actors still do not exist to be set."""
+    cfg = load_config(
+        TINY,
+        [
+            "pipeline.colocate=true",
+            "pipeline.max_lag=2",
+            "pipeline.engine_options={decode: hf, dtype: float32}",
+        ],
+    )
+    assert cfg.pipeline.colocate and cfg.pipeline.max_lag == 2
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["pipeline.colocate=true", "pipeline.max_lag=2", "pipeline.generators=2"])
+    assert err.value.field == "pipeline.generators", str(err.value)
 
 
 def test_colocate_reserves_only_the_learner_workers() -> None:

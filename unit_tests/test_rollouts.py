@@ -1,6 +1,7 @@
 """``rollouts.started_early``: the rollout stream is started in a background thread while the
 learner loads, and behaves like the plain iterator otherwise. ``rollouts.rollout_batches`` over a
-stream the (single) learner worker built itself."""
+stream the (single) learner worker built itself. ``rollouts.RunAhead``: a colocated run's rollout
+thread, bounded, in order, its errors raised in the consumer's thread."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from asyncrl.rollouts import started_early
+from asyncrl.rollouts import RunAhead, started_early
 
 
 def test_first_item_is_pulled_in_the_background_before_the_caller_asks():
@@ -72,3 +73,76 @@ def test_rollout_batches_reads_a_given_dataset_in_order_and_skips_empty_blocks()
     assert all(b["consumed_at"].shape == (2,) for b in got)
     # one block per step, nothing read ahead (lock-step deadlocks otherwise), numpy columns
     assert ds.calls == [dict(batch_size=2, prefetch_batches=0, batch_format="numpy")]
+
+
+def _made(log: list[int], n: int):
+    for i in range(n):
+        log.append(i)
+        yield i
+
+
+def _wait_for(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_run_ahead_yields_in_order_and_makes_at_most_depth_plus_one_ahead(depth):
+    made: list[int] = []
+    ahead = RunAhead(_made(made, 10), depth=depth)
+    _wait_for(lambda: len(made) >= depth + 1)
+    time.sleep(0.05)  # it would go on now if it were unbounded
+    assert len(made) == depth + 1  # depth finished in the queue, one blocked handing over
+    got = [next(ahead)]
+    _wait_for(lambda: len(made) >= depth + 2)
+    assert len(made) == depth + 2  # taking one lets it make exactly one more
+    got += list(ahead)
+    assert got == list(range(10))
+    with pytest.raises(StopIteration):
+        next(ahead)
+
+
+def test_run_ahead_makes_items_in_its_own_thread():
+    names: list[str] = []
+
+    def items():
+        for i in range(3):
+            names.append(threading.current_thread().name)
+            yield i
+
+    assert list(RunAhead(items(), name="rollouts-test")) == [0, 1, 2]
+    assert set(names) == {"rollouts-test"}
+
+
+def test_run_ahead_raises_the_producers_error_after_the_items_before_it():
+    class Refused(RuntimeError):
+        pass
+
+    def items():
+        yield 0
+        yield 1
+        raise Refused("block 2 was refused admission")
+
+    ahead = RunAhead(items(), depth=2)
+    assert [next(ahead), next(ahead)] == [0, 1]
+    with pytest.raises(Refused, match="block 2"):  # its own type, in the consumer's thread
+        next(ahead)
+    with pytest.raises(StopIteration):  # and nothing after it
+        next(ahead)
+
+
+def test_run_ahead_close_stops_the_thread_at_its_next_hand_off():
+    made: list[int] = []
+    ahead = RunAhead(_made(made, 1000), depth=1)
+    assert next(ahead) == 0
+    ahead.close(timeout_s=5.0)
+    assert not ahead._thread.is_alive()
+    assert len(made) <= 3  # it stopped instead of making all 1000
+    with pytest.raises(StopIteration):
+        next(ahead)
+
+
+def test_run_ahead_rejects_a_depth_below_one():
+    with pytest.raises(ValueError, match="depth"):
+        RunAhead(iter(()), depth=0)

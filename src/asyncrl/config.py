@@ -146,9 +146,11 @@ class PipelineConfig:
     )
     colocate: bool = field(
         False,
-        help="generate and score inside each learner worker, with its own model (strict on-policy: "
-        "max_lag=0, engine=hf): no stage actors, no weight publication, no stage hand-offs; lock-step "
-        "has nothing to overlap, so this is its fast layout (verl's hybrid engine)",
+        help="generate and score inside each learner worker: no stage actors, no stage hand-offs "
+        "(engine=hf). max_lag=0: from the learner's own model, in step, no weight publication (verl's "
+        "hybrid engine); max_lag>=1: in a rollout thread beside the learner's step, on its own engine "
+        "copy that takes the published weights (asynchronous in one process: one core generates and "
+        "scores, one learns)",
     )
     cpus_per_actor: float = field(0.5, help="logical CPUs reserved per generator/teacher actor")
     cpus_per_worker: float = field(0.5, help="logical CPUs reserved per learner worker")
@@ -205,13 +207,12 @@ class PipelineConfig:
             "with fuse_scoring=true every generator scores its own blocks: set teacher_scorers=1 "
             "(or fuse_scoring=false)",
         )
-        if self.colocate:  # each learner worker generates and scores its own blocks, in step
+        if self.colocate:  # each learner worker generates and scores its own blocks
             fix = "or set pipeline.colocate=false"
             why = {
-                "max_lag": (self.max_lag == 0, "colocate=true is strict on-policy: use 0"),
                 "engine": (
                     self.engine == "hf",
-                    "colocate=true samples from the learner's own model: use 'hf'",
+                    "colocate=true generates in the learner's process with the HF engine: use 'hf'",
                 ),
                 "generators": (self.generators == 1, "colocate=true runs no stage actors: leave it at 1"),
                 "teacher_scorers": (
@@ -225,13 +226,16 @@ class PipelineConfig:
             }
             for name, (ok, what) in why.items():
                 check(ok, name, getattr(self, name), f"{what} ({fix})")
-            extra = sorted(set(self.engine_options) - {"decode"})
+            # in step (max_lag=0) the engine samples from the learner's model; a rollout thread
+            # (max_lag>=1) builds its own engine, so every engine option applies there
+            extra = sorted(set(self.engine_options) - {"decode"}) if self.max_lag == 0 else []
             check(
                 not extra,
                 "engine_options",
                 self.engine_options,
-                f"colocate=true shares the learner's model (its dtype, device and threads): only 'decode' "
-                f"applies; drop {extra} ({fix})",
+                f"colocate=true with max_lag=0 samples from the learner's model (its dtype, device and "
+                f"threads): only 'decode' applies; drop {extra}, use max_lag>=1 (a rollout thread with its "
+                f"own engine) ({fix})",
             )
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
         check(self.max_engine_restarts >= 0, "max_engine_restarts", self.max_engine_restarts, "use >= 0")

@@ -10,7 +10,9 @@ Per rollout batch (one Ray Data block per learner worker, in stream order)::
     checkpoint when due                               asyncrl.checkpoint.Checkpointer
 
 With ``pipeline.colocate`` the stream holds prompt blocks, and each one is generated and scored
-here, from this worker's own model at ``v`` (``asyncrl.stages.Colocated``), as it is taken.
+in this process (``asyncrl.stages.Colocated``): at ``max_lag = 0`` from this worker's own model at
+``v``, as it is taken; at ``max_lag >= 1`` by a rollout thread (``asyncrl.rollouts.RunAhead``)
+with its own engine and the published weights, while the step runs.
 
 Learner version ``v`` = optimizer steps applied; generators tag tokens with it, and a sample's
 lag at consumption is ``v - version_first``. The math is in ``asyncrl.step`` (Ray-free, the same
@@ -29,7 +31,7 @@ skipped) and the reason in ``RUN/abort.json``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ from asyncrl.controllers import build_chain
 from asyncrl.coordinator import BackgroundPublisher, PolicyStoreClient, publishable_state
 from asyncrl.estimators import build as build_estimator
 from asyncrl.faults import NO_FAULTS, Faults, InjectedNaN
-from asyncrl.rollouts import StreamFailed, rollout_batches, started_early
+from asyncrl.rollouts import RunAhead, StreamFailed, rollout_batches, started_early
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry.gradients import LearnerGradients
 from asyncrl.telemetry.steps import StepLogger
@@ -107,11 +109,29 @@ def _train(spec: LearnerSpec, started_at: float) -> None:
     # import torch and load a model) start while this worker loads its model and evaluates
     batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world, dataset))
     w = Learner(spec)
-    if spec.colocated is not None:  # the stream holds prompt blocks: rollouts are made here, in step
+    ahead: RunAhead[dict[str, np.ndarray]] | None = None
+    if spec.colocated is not None and w.in_step:  # prompt blocks: rollouts made here, in step
         from asyncrl.stages import Colocated
 
         rollout = Colocated(spec.colocated, w.parts.backend.module)
         batches = (rollout(prompts, w.version) for prompts in batches)
+    elif spec.colocated is not None:  # prompt blocks: rollouts made by a thread beside the step
+        from asyncrl.stages import Colocated
+
+        rollout = Colocated(spec.colocated)  # its own engine: the published weights, at admission
+        ahead = RunAhead(rollout(prompts) for prompts in batches)
+        batches = (taken(b) for b in ahead)
+    try:
+        _steps(spec, w, batches, started_at)
+    finally:
+        if ahead is not None:  # at its next hand-off; a wait for admission ends as the store closes
+            ahead.close()
+
+
+def _steps(
+    spec: LearnerSpec, w: Learner, batches: Iterator[dict[str, np.ndarray]], started_at: float
+) -> None:
+    tc = spec.cfg.train
     w.start()  # publish the starting weights (admission opens), then the step-0 eval
     w.steps.ready(started_at)
     if w.version >= tc.steps:  # resumed from the final checkpoint: nothing left to train
@@ -145,6 +165,12 @@ def _train(spec: LearnerSpec, started_at: float) -> None:
         if w.version >= tc.steps:
             break
     w.finish()
+
+
+def taken(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` stamped with the time the learner took it (a rollout thread made it earlier)."""
+    batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
+    return batch
 
 
 class Learner:
@@ -208,9 +234,16 @@ class Learner:
         if self.rank0 and (result.stepped or consumed is not None):
             self.publisher.submit(self.weights(), self.version, consumed)
 
+    @property
+    def in_step(self) -> bool:
+        """A colocated lock-step run (``pipeline.colocate``, ``max_lag = 0``): rollouts are sampled
+        from this worker's own model, in step, so no weights are published."""
+        return self.spec.colocated is not None and self.spec.cfg.pipeline.max_lag == 0
+
     def weights(self) -> dict[str, torch.Tensor] | None:
-        """What the store ships to the engines; None in a colocated run (they sample from this model)."""
-        return None if self.spec.colocated is not None else publishable_state(self.parts.backend.module)
+        """What the store ships to the engines; None in a colocated lock-step run (they sample from
+        this model)."""
+        return None if self.in_step else publishable_state(self.parts.backend.module)
 
     def consumed(self, batch: dict[str, np.ndarray], counts: list[int]) -> None:
         """Books of a finished rollout batch: counts and the ledger of consumed sample ids (all ranks)."""

@@ -2,11 +2,14 @@
 
 Ray Train hands each learner worker its shard of the Ray Data stream (``asyncrl.pipeline``
 builds it; a single learner worker builds the whole stream itself); ``rollout_batches`` reads it
-as numpy batches, ``started_early`` starts it while the learner is still loading.
+as numpy batches, ``started_early`` starts it while the learner is still loading, ``RunAhead``
+makes a colocated run's rollouts in a thread beside the learner's step (``pipeline.colocate``
+with ``max_lag >= 1``).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -115,3 +118,67 @@ def started_early(items: Iterator[T]) -> Iterator[T]:
         yield from items
 
     return rest()
+
+
+class RunAhead(Iterator[T]):
+    """``items`` produced by a background thread, at most ``depth`` finished ones ahead of the
+    consumer (plus the one it is making): a colocated learner's rollout thread.
+
+    Why a thread: with ``pipeline.colocate`` and ``max_lag >= 1`` the learner's process both makes
+    rollouts (generation + scoring) and trains; torch releases the GIL inside its kernels, so
+    the two overlap on two cores in one process, with no stage actors or hand-offs. The staleness
+    bound is not this queue's: every block still waits for the PolicyStore's admission (``S``).
+
+    An exception raised by ``items`` reaches the consumer at the item where it was raised, with
+    its own type (``StreamFailed``, ``CoordinatorError``, ...); ``close`` stops the thread at its
+    next hand-off (it is a daemon: a thread blocked inside ``items`` ends with the process)."""
+
+    def __init__(self, items: Iterator[T], *, depth: int = 1, name: str = "asyncrl-rollouts") -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self._queue: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._pull, args=(items,), name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple[bool, Any]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _pull(self, items: Iterator[T]) -> None:
+        try:
+            for item in items:
+                if not self._put((True, item)):
+                    return
+        except BaseException as err:  # handed to the consumer's thread, raised there
+            self._put((False, err))
+            return
+        self._put((False, None))
+
+    def __iter__(self) -> RunAhead[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        ok, item = self._queue.get()
+        if ok:
+            return item
+        self._done = True
+        if item is None:
+            raise StopIteration
+        raise item
+
+    def close(self, timeout_s: float = 0.0) -> None:
+        """Stop the thread at its next hand-off; wait up to ``timeout_s`` for it (0: do not wait;
+        a thread blocked inside ``items`` may only end once what blocks it does)."""
+        self._done = True
+        self._stop.set()
+        if timeout_s > 0:
+            self._thread.join(timeout_s)

@@ -299,29 +299,40 @@ class GenerateAndScore:
 
 
 class Colocated:
-    """Generation and scoring inside a learner worker (``pipeline.colocate``), on its own model.
+    """Generation and scoring inside a learner worker (``pipeline.colocate``).
 
     Strict on-policy training (``max_lag = 0``) has nothing to overlap: block ``k+1`` is
     generated with the weights block ``k`` produced, and scored with the completions it sampled.
-    So a colocated run keeps one process per learner rank (verl's "hybrid engine" layout): the
-    engine samples from the learner's model in place (no weight publication, no copy), and the
-    teacher lives beside it; the Ray Data stream carries prompt blocks only. Admission still goes
-    through the PolicyStore, so the books, the ordering rule and the controller chain's ``admit``
-    hooks are the pipeline's own; the stage columns (versions, timings, nodes) are the same too.
+    So a colocated lock-step run keeps one process per learner rank (verl's "hybrid engine"
+    layout): the engine samples from the learner's model in place (``model``: no weight
+    publication, no copy), and the teacher lives beside it.
 
-    ``stages``: the pipeline's ``StageSpecs``; ``model``: the learner's (unwrapped) module."""
+    With ``max_lag >= 1`` (``model`` None) it is a generator actor's work moved into a thread of
+    the learner's process (``asyncrl.rollouts.RunAhead``): an engine of its own, the published
+    weights loaded at admission as a stage actor does, so block ``k+1`` is generated and scored
+    while block ``k`` trains. One process, no stage hand-offs, both cores busy.
 
-    def __init__(self, stages: Any, model: torch.nn.Module) -> None:
+    Either way the Ray Data stream carries prompt blocks only, and admission goes through the
+    PolicyStore, so the books, the ordering rule, the staleness bound and the controller chain's
+    ``admit`` hooks are the pipeline's own; the stage columns (versions, timings, nodes) are the
+    same too. ``stages``: the pipeline's ``StageSpecs``."""
+
+    def __init__(self, stages: Any, model: torch.nn.Module | None = None) -> None:
         self.generate = Generate(**stages.generate, model=model)
+        self.in_step = model is not None
         self.score = stages.scorer(**stages.score)
         # the stream this worker group was started with (built before this, by the single worker
         # itself or by Ray Train): admission requests carry its id, as the stage actors' do
         self.generate.stream = self.generate.store.current_stream()
 
-    def __call__(self, batch: dict[str, np.ndarray], version: int) -> dict[str, np.ndarray]:
-        """Block ``batch`` of prompt rows -> scored rollouts, sampled from the model at ``version``."""
-        self.generate.engine.weights_updated(version)
-        self.generate.have_version = version
+    def __call__(self, batch: dict[str, np.ndarray], version: int | None = None) -> dict[str, np.ndarray]:
+        """Block ``batch`` of prompt rows -> scored rollouts; in step: sampled from the learner's
+        model, which holds ``version``; else from the weights the admission brought."""
+        if self.in_step:
+            if version is None:
+                raise ValueError("a colocated lock-step rollout needs the learner's version")
+            self.generate.engine.weights_updated(version)
+            self.generate.have_version = version
         rollouts = self.generate(batch)
         if len(rollouts[R.SAMPLE_ID]) == 0 < len(batch[R.SAMPLE_ID]):  # admission answered None
             raise CoordinatorError(
@@ -329,6 +340,7 @@ class Colocated:
                 f"closed or began another stream while this learner worker still trains"
             )
         out = self.score(rollouts)
-        # the learner has it now: a sample's hops (generated, scored, consumed) stay in order
+        # the learner has it now (a rollout thread's block: when the learner takes it, see
+        # asyncrl.learner): a sample's hops (generated, scored, consumed) stay in order
         out["consumed_at"] = np.full(len(out[R.SAMPLE_ID]), time.time())
         return out
