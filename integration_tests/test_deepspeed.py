@@ -26,6 +26,7 @@ from asyncrl.checkpoint import TRAINER_STATE, backend_shard_name, read_state
 from asyncrl.checkpoint import latest as latest_checkpoint
 from asyncrl.pipeline import run
 from asyncrl.telemetry.sinks import read_metrics
+from asyncrl.telemetry.summary import read_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.deepspeed]
 
@@ -105,6 +106,17 @@ def test_lockstep_matches_ddp_and_resumes_exactly(ray_local, tiny_pair, tmp_path
     gap = max(abs(same[s] - ds[s]) for s in ds)
     print(f"max |loss_colocated - loss_stage_actors| (deepspeed): {gap:.3g}")
     assert gap <= 1e-5, (same, ds)
+
+    # colocated with a lag: a rollout thread beside the DeepSpeed step, its engine loading the
+    # engine module's snapshots; a lag-0 sample's behavior log-probs are the learner's own
+    thread = run(
+        tiny_config(tmp_path / "ds_thread", *DS, *common, "pipeline.colocate=true", "pipeline.max_lag=1")
+    )
+    assert thread.summary["ledger_balanced"] and thread.summary["lag_max"] <= 1, thread.summary
+    assert sorted(losses(thread.run_dir)) == list(range(1, 7))
+    kept = read_samples(thread.run_dir).query("kept")
+    assert len(kept) == 6 * thread.config.train.batch_size
+    assert np.abs(kept[kept["lag"] == 0]["seq_log_ratio"]).max() < 1e-4
 
     # the learner dies after step 4; Ray Train restarts it from the step-3 checkpoint: the
     # optimizer state came back exactly

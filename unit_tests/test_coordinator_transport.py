@@ -1,5 +1,6 @@
-"""The PolicyStore's Ray-free parts: the weights' wire format, the background publisher, and
-event-driven admission waits (the actor's class driven directly on an event loop)."""
+"""The PolicyStore's Ray-free parts: the weights' wire format, the background publisher,
+event-driven admission waits (the actor's class driven directly on an event loop), and the
+in-process hand-off to a colocated rollout thread (``LocalWeights``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from asyncrl.coordinator import (
     BackgroundPublisher,
     CoordinatorError,
+    LocalWeights,
     PolicyStore,
     PolicyStoreClient,
     pack_weights,
@@ -199,3 +201,33 @@ def test_unpublished_weights_are_an_error_naming_colocate() -> None:
     gets an error naming the setting, never an empty or stale state dict."""
     with pytest.raises(CoordinatorError, match=r"pipeline\.colocate"):
         PolicyStoreClient(handle=None)._fetch(3, None)
+
+
+def test_local_weights_serve_a_rollout_thread_the_version_the_store_names() -> None:
+    """A colocated rollout thread's client reads weights the store knows by version only (ref None)
+    from its own learner process: the very snapshot put, the latest keep + 1 versions kept."""
+    local = LocalWeights(keep=1)
+    snaps = {v: {"w": torch.full((2,), float(v))} for v in range(4)}
+    for v in range(4):
+        local.put(v, snaps[v])
+    client = PolicyStoreClient(handle=None, timeout_s=1.0, local=local)
+    assert client._fetch(3, None) is snaps[3] and client._fetch(2, None) is snaps[2]
+    with pytest.raises(CoordinatorError, match=r"v1 are no longer kept .*have \[2, 3\]"):
+        client._fetch(1, None)
+
+
+def test_local_weights_wait_for_their_rank_to_put_the_version() -> None:
+    """Rank 0 tells the store v first; another rank's thread may ask before its own rank put v."""
+    local = LocalWeights()
+    local.put(0, {"w": torch.zeros(1)})
+    later = {"w": torch.ones(1)}
+    timer = threading.Timer(0.1, local.put, args=(1, later))
+    timer.start()
+    t0 = time.perf_counter()
+    assert local.get(1, timeout_s=5.0) is later
+    assert time.perf_counter() - t0 >= 0.05  # it waited for the put
+    timer.join()
+    with pytest.raises(CoordinatorError, match=r"v2 are not put within 0s"):
+        local.get(2, timeout_s=0.01)
+    with pytest.raises(ValueError, match="keep"):
+        LocalWeights(keep=-1)

@@ -288,15 +288,69 @@ class PolicyStore:
         self.version = -1  # admission resumes at the learner's start
 
 
+class LocalWeights:
+    """Weight versions handed from a learner worker to the rollout thread of its own process
+    (``pipeline.colocate`` with ``max_lag >= 1``), instead of through the object store.
+
+    The thread's engine needs the weights the store's admission names, and they are already in
+    this process: every rank ``put``s its own snapshot (``publishable_state``: DDP replicas and
+    ZeRO-1/2 hold the same full parameters after a step) and the store is told the version only.
+    That saves packing, ``ray.put``, ``ray.get`` and unpacking on the two cores the step and the
+    rollouts share. ``get`` waits for a version its rank has not put yet (rank 0 tells the store
+    first; the other ranks finish the same step a moment later). Keeps the latest ``keep + 1``
+    versions, as the store keeps ``keep`` past ones for a controller that pins one."""
+
+    def __init__(self, keep: int = 0) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be >= 0, got {keep}")
+        self.keep = keep
+        self._versions: dict[int, Mapping[str, torch.Tensor]] = {}
+        self._changed = threading.Condition()
+
+    def put(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Version ``version`` (a snapshot nobody mutates); older ones beyond ``keep`` are dropped."""
+        with self._changed:
+            self._versions[version] = state_dict
+            for old in [v for v in self._versions if v < version - self.keep]:
+                del self._versions[old]
+            self._changed.notify_all()
+
+    def get(self, version: int, timeout_s: float) -> Mapping[str, torch.Tensor]:
+        """The weights of ``version``, waiting up to ``timeout_s`` for this rank to put them."""
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: version in self._versions or any(v > version + self.keep for v in self._versions),
+                timeout=timeout_s,
+            )
+            if version in self._versions:
+                return self._versions[version]
+        kept = sorted(self._versions)
+        why = "no longer kept" if ok else f"not put within {timeout_s:.0f}s"
+        raise CoordinatorError(
+            f"weights v{version} are {why} in this learner process (have {kept}, keeping {self.keep} "
+            f"past versions): a colocated rollout thread reads the weights its own learner rank put"
+        )
+
+
 @dataclass
 class PolicyStoreClient:
-    """Timeout-guarded calls to the PolicyStore (usable from Ray Data actors and Train workers)."""
+    """Timeout-guarded calls to the PolicyStore (usable from Ray Data actors and Train workers).
+
+    ``local``: where weights the store only knows by version come from (a colocated rollout
+    thread's learner process, ``LocalWeights``)."""
 
     handle: Any
     timeout_s: float = 60.0
+    local: LocalWeights | None = None
 
     @classmethod
-    def connect(cls, namespace: str, timeout_s: float = 60.0, name: str = STORE_NAME) -> PolicyStoreClient:
+    def connect(
+        cls,
+        namespace: str,
+        timeout_s: float = 60.0,
+        name: str = STORE_NAME,
+        local: LocalWeights | None = None,
+    ) -> PolicyStoreClient:
         try:
             handle = ray.get_actor(name, namespace=namespace)
         except ValueError as err:
@@ -304,7 +358,7 @@ class PolicyStoreClient:
                 f"PolicyStore {name!r} not found in namespace {namespace!r}: the driver that created it "
                 f"exited, or the pipeline was not started through asyncrl.pipeline"
             ) from err
-        return cls(handle, timeout_s)
+        return cls(handle, timeout_s, local)
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         ref = getattr(self.handle, method).remote(*args)
@@ -346,7 +400,9 @@ class PolicyStoreClient:
     ) -> None:
         self._call("publish", [_put(state_dict)], version, consumed)
 
-    def _fetch(self, version: int, ref: Any) -> dict[str, torch.Tensor]:
+    def _fetch(self, version: int, ref: Any) -> Mapping[str, torch.Tensor]:
+        if ref is None and self.local is not None:
+            return self.local.get(version, self.timeout_s)
         if ref is None:
             raise CoordinatorError(
                 f"weights v{version} were not published: in a colocated run (pipeline.colocate) the engines "

@@ -45,9 +45,10 @@ from asyncrl.backends import learner_backend
 from asyncrl.collectives import Collectives
 from asyncrl.config import RunConfig
 from asyncrl.controllers import build_chain
-from asyncrl.coordinator import BackgroundPublisher, PolicyStoreClient, publishable_state
+from asyncrl.coordinator import BackgroundPublisher, LocalWeights, PolicyStoreClient, publishable_state
 from asyncrl.estimators import build as build_estimator
 from asyncrl.faults import NO_FAULTS, Faults, InjectedNaN
+from asyncrl.plan import kept_versions
 from asyncrl.rollouts import RunAhead, StreamFailed, rollout_batches, started_early
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry.gradients import LearnerGradients
@@ -118,8 +119,8 @@ def _train(spec: LearnerSpec, started_at: float) -> None:
     elif spec.colocated is not None:  # prompt blocks: rollouts made by a thread beside the step
         from asyncrl.stages import Colocated
 
-        rollout = Colocated(spec.colocated)  # its own engine: the published weights, at admission
-        ahead = RunAhead(rollout(prompts) for prompts in batches)
+        rollout = Colocated(spec.colocated, weights=w.local)  # its own engine, this rank's weights
+        ahead = RunAhead((rollout(prompts) for prompts in batches), depth=1)  # see Learner.local
         batches = (taken(b) for b in ahead)
     try:
         _steps(spec, w, batches, started_at)
@@ -217,33 +218,50 @@ class Learner:
             spec.namespace, timeout_s=pc.rpc_timeout_s, name=spec.store_name
         )
         self.publisher = BackgroundPublisher(self.store) if self.rank0 else None
+        #: a colocated rollout thread's weights (``pipeline.colocate``, ``max_lag >= 1``): every rank
+        #: keeps its own snapshots and the store is told versions only. Between an admission naming
+        #: version v and the thread's read of v, this learner can finish the batch it trains and the
+        #: one the thread handed over (``RunAhead`` depth 1): 2 N steps (N = train.minibatches), so v
+        #: is kept for that many steps on top of the store's own ``kept_versions``
+        colocated_thread = spec.colocated is not None and pc.max_lag > 0
+        keep = kept_versions(cfg) + 2 * tc.minibatches
+        self.local = LocalWeights(keep=keep) if colocated_thread else None
         self.steps = StepLogger(spec, self.comm, backend.module, resumed=restored)
 
     def start(self) -> None:
         """Publish the starting weights (admission opens), then evaluate them (a fresh run): the
         first rollout batch is generated and scored while the step-0 eval runs, not after it
         (colocated: after it, in this process)."""
+        self.keep_local()
         if self.rank0:
             self.store.start(self.weights(), self.version)
         self.steps.start(self.version)
 
     def publish(self, result: Any, *, consumed: tuple[int, int] | None) -> None:
         """Rank 0: new weights after a step; ``consumed`` releases the rollout batch in the same call.
-        The snapshot is taken now; the put and the store call run in the publisher's thread."""
+        The snapshot is taken now; the put and the store call run in the publisher's thread. Every
+        rank of a colocated run with a rollout thread first keeps its own snapshot (``local``)."""
         self.version = result.version
+        if result.stepped:
+            self.keep_local()
         if self.rank0 and (result.stepped or consumed is not None):
             self.publisher.submit(self.weights(), self.version, consumed)
+
+    def keep_local(self) -> None:
+        """Every rank: this version's snapshot for the rollout thread of this process, if it has one."""
+        if self.local is not None:
+            self.local.put(self.version, publishable_state(self.parts.backend.module))
 
     @property
     def in_step(self) -> bool:
         """A colocated lock-step run (``pipeline.colocate``, ``max_lag = 0``): rollouts are sampled
-        from this worker's own model, in step, so no weights are published."""
+        from this worker's own model, in step."""
         return self.spec.colocated is not None and self.spec.cfg.pipeline.max_lag == 0
 
     def weights(self) -> dict[str, torch.Tensor] | None:
-        """What the store ships to the engines; None in a colocated lock-step run (they sample from
-        this model)."""
-        return None if self.in_step else publishable_state(self.parts.backend.module)
+        """What the store ships to the engines; None in a colocated run: they sample from this
+        model (in step) or read this process's ``LocalWeights`` (a rollout thread)."""
+        return None if self.spec.colocated is not None else publishable_state(self.parts.backend.module)
 
     def consumed(self, batch: dict[str, np.ndarray], counts: list[int]) -> None:
         """Books of a finished rollout batch: counts and the ledger of consumed sample ids (all ranks)."""

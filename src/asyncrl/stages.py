@@ -28,7 +28,7 @@ import torch
 
 from asyncrl import records as R
 from asyncrl.caches import CACHES, score_teacher
-from asyncrl.coordinator import CoordinatorError, PolicyStoreClient
+from asyncrl.coordinator import CoordinatorError, LocalWeights, PolicyStoreClient
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
 from asyncrl.faults import NO_FAULTS, Faults
@@ -80,6 +80,7 @@ class Generate:
         stream: int | None = None,
         faults: Faults = NO_FAULTS,
         model: torch.nn.Module | None = None,
+        local_weights: LocalWeights | None = None,
     ) -> None:
         if model is not None:  # a learner worker's own model (``pipeline.colocate``): no weights to load
             from asyncrl.engines.hf import HFEngine
@@ -100,7 +101,9 @@ class Generate:
                 ) from err
             self.engine = engine_cls.from_pretrained(student_dir, version=0, **(engine_options or {}))
         self.params = SamplingParams(**sampling)
-        self.store = PolicyStoreClient.connect(namespace, timeout_s=rpc_timeout_s, name=store_name)
+        self.store = PolicyStoreClient.connect(
+            namespace, timeout_s=rpc_timeout_s, name=store_name, local=local_weights
+        )
         self.seed = seed
         self.admit_timeout_s = admit_timeout_s
         self.have_version = -1
@@ -308,17 +311,22 @@ class Colocated:
     publication, no copy), and the teacher lives beside it.
 
     With ``max_lag >= 1`` (``model`` None) it is a generator actor's work moved into a thread of
-    the learner's process (``asyncrl.rollouts.RunAhead``): an engine of its own, the published
-    weights loaded at admission as a stage actor does, so block ``k+1`` is generated and scored
-    while block ``k`` trains. One process, no stage hand-offs, both cores busy.
+    the learner's process (``asyncrl.rollouts.RunAhead``): an engine of its own, loading at
+    admission the weights the admission names, as a stage actor does, but from its own learner
+    rank (``weights``: ``asyncrl.coordinator.LocalWeights``), not through the object store. Block
+    ``k+1`` is generated and scored while block ``k`` trains: one process, both cores busy.
 
     Either way the Ray Data stream carries prompt blocks only, and admission goes through the
     PolicyStore, so the books, the ordering rule, the staleness bound and the controller chain's
     ``admit`` hooks are the pipeline's own; the stage columns (versions, timings, nodes) are the
     same too. ``stages``: the pipeline's ``StageSpecs``."""
 
-    def __init__(self, stages: Any, model: torch.nn.Module | None = None) -> None:
-        self.generate = Generate(**stages.generate, model=model)
+    def __init__(
+        self, stages: Any, model: torch.nn.Module | None = None, weights: LocalWeights | None = None
+    ) -> None:
+        if (model is None) == (weights is None):
+            raise ValueError("Colocated takes the learner's model (in step) or its LocalWeights (a thread)")
+        self.generate = Generate(**stages.generate, model=model, local_weights=weights)
         self.in_step = model is not None
         self.score = stages.scorer(**stages.score)
         # the stream this worker group was started with (built before this, by the single worker
