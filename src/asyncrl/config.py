@@ -149,8 +149,8 @@ class PipelineConfig:
         help="generate and score inside each learner worker: no stage actors, no stage hand-offs "
         "(engine=hf). max_lag=0: from the learner's own model, in step, no weight publication (verl's "
         "hybrid engine); max_lag>=1: in a rollout thread beside the learner's step, on its own engine "
-        "copy that takes the published weights (asynchronous in one process: one core generates and "
-        "scores, one learns)",
+        "loading its learner rank's weights at admission (asynchronous in one process: one core "
+        "generates and scores, one learns)",
     )
     cpus_per_actor: float = field(0.5, help="logical CPUs reserved per generator/teacher actor")
     cpus_per_worker: float = field(0.5, help="logical CPUs reserved per learner worker")
