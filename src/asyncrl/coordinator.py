@@ -324,7 +324,7 @@ class LocalWeights:
             )
             if version in self._versions:
                 return self._versions[version]
-        kept = sorted(self._versions)
+            kept = sorted(self._versions)  # under the lock: the learner's thread may be putting
         why = "no longer kept" if ok else f"not put within {timeout_s:.0f}s"
         raise CoordinatorError(
             f"weights v{version} are {why} in this learner process (have {kept}, keeping {self.keep} "

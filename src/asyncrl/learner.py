@@ -231,7 +231,7 @@ class Learner:
     def start(self) -> None:
         """Publish the starting weights (admission opens), then evaluate them (a fresh run): the
         first rollout batch is generated and scored while the step-0 eval runs, not after it
-        (colocated: after it, in this process)."""
+        (colocated lock-step: after it, in this process; a rollout thread: beside it)."""
         self.keep_local()
         if self.rank0:
             self.store.start(self.weights(), self.version)
