@@ -49,7 +49,7 @@ from asyncrl.coordinator import BackgroundPublisher, LocalWeights, PolicyStoreCl
 from asyncrl.estimators import build as build_estimator
 from asyncrl.faults import NO_FAULTS, Faults, InjectedNaN
 from asyncrl.plan import kept_versions
-from asyncrl.rollouts import RunAhead, StreamFailed, rollout_batches, started_early
+from asyncrl.rollouts import RunAhead, StreamFailed, rollout_batches, started_early, taken
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry.gradients import LearnerGradients
 from asyncrl.telemetry.steps import StepLogger
@@ -111,17 +111,16 @@ def _train(spec: LearnerSpec, started_at: float) -> None:
     batches = started_early(rollout_batches(tc.batch_size // Collectives.current().world, dataset))
     w = Learner(spec)
     ahead: RunAhead[dict[str, np.ndarray]] | None = None
-    if spec.colocated is not None and w.in_step:  # prompt blocks: rollouts made here, in step
+    if spec.colocated is not None:  # the stream holds prompt blocks: rollouts are made here
         from asyncrl.stages import Colocated
 
-        rollout = Colocated(spec.colocated, w.parts.backend.module)
-        batches = (rollout(prompts, w.version) for prompts in batches)
-    elif spec.colocated is not None:  # prompt blocks: rollouts made by a thread beside the step
-        from asyncrl.stages import Colocated
-
-        rollout = Colocated(spec.colocated, weights=w.local)  # its own engine, this rank's weights
-        ahead = RunAhead((rollout(prompts) for prompts in batches), depth=1)  # see Learner.local
-        batches = (taken(b) for b in ahead)
+        if w.local is None:  # in step, from this worker's model
+            rollout = Colocated(spec.colocated, w.parts.backend.module)
+            batches = (taken(rollout(prompts, w.version)) for prompts in batches)
+        else:  # by a thread beside the step: its own engine, this rank's weights
+            rollout = Colocated(spec.colocated, weights=w.local)
+            ahead = RunAhead((rollout(prompts) for prompts in batches), depth=1)  # see Learner.local
+            batches = (taken(b) for b in ahead)
     try:
         _steps(spec, w, batches, started_at)
     finally:
@@ -166,12 +165,6 @@ def _steps(
         if w.version >= tc.steps:
             break
     w.finish()
-
-
-def taken(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``batch`` stamped with the time the learner took it (a rollout thread made it earlier)."""
-    batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
-    return batch
 
 
 class Learner:
@@ -251,12 +244,6 @@ class Learner:
         """Every rank: this version's snapshot for the rollout thread of this process, if it has one."""
         if self.local is not None:
             self.local.put(self.version, publishable_state(self.parts.backend.module))
-
-    @property
-    def in_step(self) -> bool:
-        """A colocated lock-step run (``pipeline.colocate``, ``max_lag = 0``): rollouts are sampled
-        from this worker's own model, in step."""
-        return self.spec.colocated is not None and self.spec.cfg.pipeline.max_lag == 0
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """What the store ships to the engines; None in a colocated run: they sample from this

@@ -87,9 +87,13 @@ def rollout_batches(local_batch_size: int, dataset: Any = None) -> Iterator[dict
                 raise
             raise failed from err
         if len(batch[R.SAMPLE_ID]):
-            batch = R.writable(batch)  # Ray Data's zero-copy arrays are read-only
-            batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
-            yield batch
+            yield taken(R.writable(batch))  # Ray Data's zero-copy arrays are read-only
+
+
+def taken(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` stamped with the time the learner took it (``consumed_at``, a sample's last hop)."""
+    batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
+    return batch
 
 
 def started_early(items: Iterator[T]) -> Iterator[T]:

@@ -347,8 +347,5 @@ class Colocated:
                 f"block {int(np.asarray(batch[R.BLOCK_INDEX])[0])} was refused admission: the PolicyStore "
                 f"closed or began another stream while this learner worker still trains"
             )
-        out = self.score(rollouts)
-        # the learner has it now (a rollout thread's block: when the learner takes it, see
-        # asyncrl.learner): a sample's hops (generated, scored, consumed) stay in order
-        out["consumed_at"] = np.full(len(out[R.SAMPLE_ID]), time.time())
-        return out
+        # the learner stamps ``consumed_at`` when it takes the block (``asyncrl.rollouts.taken``)
+        return self.score(rollouts)
