@@ -193,14 +193,16 @@ REFERENCE = "trl"
 
 
 # --- shared by every child --------------------------------------------------------------------------
-def run_config(spec: dict[str, Any], more: list[str]) -> Any:
+def run_config(spec: dict[str, Any], more: list[str], *, parse_only: bool = False) -> Any:
     """The demo config with the benchmark's settings and a system's overrides. A system's
-    ``train.minibatches=N`` keeps B samples per optimizer step: its rollout batch is N x B."""
-    from asyncrl.config import load_config
+    ``train.minibatches=N`` keeps B samples per optimizer step: its rollout batch is N x B.
+    ``parse_only``: ``parse_config`` (no torch import; ``asyncrl.run`` resolves it beside Ray's
+    start, as for ``asyncrl run``), else ``load_config``."""
+    from asyncrl.config import load_config, parse_config
 
     minibatches = [int(m.split("=", 1)[1]) for m in more if m.startswith("train.minibatches=")]
     rollout_batch = spec["batch"] * (minibatches[-1] if minibatches else 1)
-    return load_config(
+    return (parse_config if parse_only else load_config)(
         CONFIG,
         [
             f"workload.task={spec['task']}",
@@ -230,8 +232,7 @@ def final_exact_match(model: Any, tokenizer: Any, spec: dict[str, Any]) -> float
 
 def pair_dirs(spec: dict[str, Any]) -> tuple[Path, Path]:
     """(teacher, student) checkpoint directories; a clear error naming the command that creates them."""
-    from asyncrl.workloads.checkpoints import missing_parts
-    from asyncrl.workloads.pretrain import run_dir_for
+    from asyncrl.workloads.checkpoints import missing_parts, run_dir_for
 
     root = run_dir_for(spec["task"], spec["preset"], 0, spec["cache_dir"])
     for role in ("teacher", "student"):
@@ -357,14 +358,16 @@ def child_plain(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
 
 
 def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    import asyncrl
+
+    # as `asyncrl run` does: nothing heavy imported before asyncrl.run, which imports torch and
+    # the components beside Ray's start (the first step is measured from this process's launch)
+    res = asyncrl.run(run_config(spec, overrides, parse_only=True))
+    cfg = res.config
     import pandas as pd
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import asyncrl
-
-    cfg = run_config(spec, overrides)
     _, student_dir = pair_dirs(spec)
-    res = asyncrl.run(cfg)
     run_dir = res.run_dir
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     steps = sorted((r for r in rows if r.get("step", 0) >= 1), key=lambda r: r["step"])

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import REPO, tiny_config
 
 from asyncrl.checkpoint import latest as latest_checkpoint
 from asyncrl.coordinator import CoordinatorError, PolicyStoreClient
@@ -123,3 +124,34 @@ def test_vocab_mismatch_fails_at_build(tiny_pair, tmp_path):
     )
     with pytest.raises(ValueError, match=r"(?i)tokenizer|vocab"):
         resolve_models(cfg, rl=False)
+
+
+def test_a_failed_check_stops_the_ray_instance_the_run_started(tiny_pair, tmp_path):
+    """``run`` starts Ray and makes the plan's checks beside it (``prepare_driver``): a failed check
+    is raised as it is, after the Ray instance that call started is stopped again (none is left
+    behind in the caller's process), and no run directory claims an outcome. A process of its own:
+    the test session's Ray instance would be joined, not started."""
+    import subprocess
+    import sys
+
+    from asyncrl.config import save_config
+
+    cfg = tiny_config(
+        tmp_path / "run",
+        f"workload.teacher_path={tmp_path / 'no-teacher'}",
+        f"workload.student_path={tiny_pair.student_dir}",
+    )
+    path = tmp_path / "cfg.yaml"
+    save_config(cfg, path)
+    code = (
+        "import ray, asyncrl\n"
+        "from asyncrl.workloads.checkpoints import CheckpointError\n"
+        "try:\n"
+        f"    asyncrl.run({str(path)!r})\n"
+        "except CheckpointError as err:\n"
+        "    print('refused', 'no-teacher' in str(err), ray.is_initialized())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.stdout.strip().splitlines()[-1:] == ["refused True False"], proc.stdout + proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "summary.json").exists()

@@ -1,6 +1,7 @@
 """Bad input, fuzzed: configs, prompt files and checkpoints each fail with one line that names the
 field or the file and the fix, and ``asyncrl validate`` catches them before any Ray process
-starts (it runs ``asyncrl.plan.make_plan``, what ``asyncrl run`` runs before ``ray.init``)."""
+starts (it runs ``asyncrl.plan.make_plan``, what ``asyncrl run`` runs beside ``ray.init``, before
+any stage or learner process starts)."""
 
 from __future__ import annotations
 

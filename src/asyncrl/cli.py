@@ -93,7 +93,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _check_plan(cfg: Any, *, models: bool) -> Any:
-    """Every check the pipeline makes before Ray starts (``asyncrl.plan.make_plan``): component
+    """Every check the pipeline makes before its processes start (``asyncrl.plan.make_plan``): component
     pairings, the prompt file, the checkpoints (``models``: complete, intact, one vocabulary,
     prompts within their context), the CPU/GPU shares of a local run."""
     from asyncrl.plan import make_plan
@@ -123,17 +123,17 @@ def pretrain_command(task: str, preset: str, seed: int, cache_dir: str) -> str:
 def _check_checkpoints(cfg: Any) -> None:
     """Before Ray starts: the preset's pretrained pair must be in the cache (explicit paths are the
     pipeline's to check). Fails with the exact pretrain command."""
-    from asyncrl.workloads.checkpoints import missing_parts
-    from asyncrl.workloads.pretrain import run_dir_for
+    from asyncrl.workloads.checkpoints import missing_parts, run_dir_for
 
     w = cfg.workload
     if w.teacher_path or w.student_path:
         return
     root = run_dir_for(w.task, w.preset, w.pretrain_seed, w.cache_dir)
-    roles = ("teacher", "student") if cfg.algo == "opd" else ("student",)
-    for role in roles:
+    for role in ("teacher", "student"):
         missing = missing_parts(root / role)
-        if missing:
+        # cfg.algo (an RL run needs no teacher) imports the estimators, and with them torch: only
+        # asked when the teacher is missing, so a complete pair is checked before any import
+        if missing and (role == "student" or cfg.algo == "opd"):
             what = (
                 "does not exist"
                 if missing == ["directory"]
@@ -160,13 +160,19 @@ def _summary_lines(summary: Mapping[str, Any]) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     import asyncrl
-    from asyncrl.config import load_config
+    from asyncrl.config import parse_config
+    from asyncrl.workloads.checkpoints import CheckpointError
 
-    cfg = load_config(args.config, [*args.overrides, *_quiet_overrides(args)])
-    _check_checkpoints(cfg)  # fail before any process starts
-    _check_plan(cfg, models=True)
-    _say(args, f"run: {cfg.algo} with {cfg.estimator.name}, max_lag {cfg.pipeline.max_lag} -> {cfg.run_dir}")
-    result = asyncrl.run(cfg)
+    # fields, types and values, and the pretrained pair's files: checked before any process starts,
+    # with no torch import. The components' names and every check of the plan (asyncrl validate's)
+    # follow in asyncrl.run, beside Ray's start, and stop it when one fails.
+    cfg = parse_config(args.config, [*args.overrides, *_quiet_overrides(args)])
+    _check_checkpoints(cfg)
+    _say(args, f"run: {cfg.estimator.name}, max_lag {cfg.pipeline.max_lag} -> {cfg.run_dir}")
+    try:
+        result = asyncrl.run(cfg)
+    except (CheckpointError, ImportError) as err:  # the plan's checks (ConfigError: main's)
+        raise CLIError(str(err), EXIT_USAGE) from None
     for line in _summary_lines(result.summary):
         print(line)
     print(f"run directory: {result.run_dir}   (report: asyncrl report {result.run_dir})")
@@ -510,8 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
         "validate",
         cmd_validate,
         "check a config and print it resolved",
-        "Load a YAML config plus overrides and make every check `asyncrl run` makes before Ray starts: "
-        "component names and pairings, the prompt file (exists, parses, has rows and a prompt column, "
+        "Load a YAML config plus overrides and make every check `asyncrl run` makes before its processes "
+        "start: component names and pairings, the prompt file (exists, parses, has rows and a prompt column, "
         "its first 2048 rows fit the models' context), the checkpoints (complete, intact weight files, "
         "one vocabulary), the CPU/GPU shares of a local run. Prints the resolved config. Exit 0 if valid "
         "(a preset pair not pretrained yet is a note), 2 with the field or file and the fix otherwise.",

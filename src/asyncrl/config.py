@@ -1,9 +1,10 @@
 """The run config: one typed, frozen tree, loaded from YAML plus ``key=value`` overrides.
 
-Component configs live beside their components (``SamplingParams`` in engines, each
+Component configs live beside their components (``SamplingParams`` in ``asyncrl.sampling``, each
 estimator's and controller's options in their classes); this module composes them into
 ``RunConfig`` and resolves component names against their registries at load time, so a
-typo fails before any process starts.
+typo fails before any process starts. ``parse_config`` is the same load without the names (no
+torch import): ``asyncrl run`` checks that first, then resolves beside Ray's start.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any, Literal
 import yaml
 
 from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
-from asyncrl.engines.base import SamplingParams
 from asyncrl.faults import FaultConfig
 from asyncrl.raysetup import DEFAULT_TICK_S
+from asyncrl.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,16 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | Mapping[str, Any] | None = None
 ) -> RunConfig:
     """YAML file (or defaults) + overrides (see ``apply_overrides``) -> validated RunConfig. Names are
-    resolved now."""
+    resolved now (``resolve_components``), and the settings left to the workload (``resolve_auto``)."""
+    return resolve_auto(resolve_components(parse_config(path, overrides)))
+
+
+def parse_config(
+    path: str | Path | None = None, overrides: list[str] | Mapping[str, Any] | None = None
+) -> RunConfig:
+    """``load_config`` without resolving names: fields, types and values checked, components not
+    imported. Imports no torch (about 1.5 s with the components), so ``asyncrl run`` can start Ray
+    first and resolve beside it (``asyncrl.pipeline.run``)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -397,9 +407,7 @@ def load_config(
             "remove it: OPD vs RL is derived from the estimator (an RL estimator such as 'grpo' "
             "needs no teacher)",
         )
-    cfg = from_dict(RunConfig, data)
-    resolve_components(cfg)
-    return resolve_auto(cfg)
+    return from_dict(RunConfig, data)
 
 
 def resolve_auto(cfg: RunConfig) -> RunConfig:
@@ -425,8 +433,8 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
     return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=budget))
 
 
-def resolve_components(cfg: RunConfig) -> None:
-    """Fail at load time on unknown component names or options (nearest name suggested)."""
+def resolve_components(cfg: RunConfig) -> RunConfig:
+    """Fail at load time on unknown component names or options (nearest name suggested); returns ``cfg``."""
     from asyncrl import caches, controllers, engines, estimators
     from asyncrl.registry import RegistryError
     from asyncrl.workloads import presets, tasks
@@ -447,6 +455,7 @@ def resolve_components(cfg: RunConfig) -> None:
     _try("workload.task", lambda: tasks.TASKS.get(cfg.workload.task), cfg.workload.task)
     _try("workload.preset", lambda: presets.get_preset(cfg.workload.preset), cfg.workload.preset)
     _try("pipeline.engine", lambda: engines.ENGINES.get(cfg.pipeline.engine), cfg.pipeline.engine)
+    return cfg
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -44,33 +44,27 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncrl import checkpoint
-from asyncrl.config import RunConfig, load_config, resolve_auto, save_config
+# torch-free imports only: ``run`` starts Ray's processes first and imports the rest (torch,
+# transformers, the components: about 2 s of CPU) beside them (``prepare_driver``)
+from asyncrl.config import RunConfig, parse_config, resolve_auto, resolve_components, save_config
 from asyncrl.configurable import to_dict
 from asyncrl.faults import Faults
-from asyncrl.plan import (
-    RunPlan,
-    check_cpus,
-    check_gpus,
-    kept_versions,
-    load_examples,
-    local_cpus,
-    make_plan,
-    prompt_blocks,
-)
-from asyncrl.raysetup import RAY_ENV, apply_env
+from asyncrl.raysetup import RAY_ENV, apply_env, local_cpus
 from asyncrl.telemetry.progress import Display
+
+if TYPE_CHECKING:
+    from asyncrl.plan import RunPlan
 
 
 @dataclass
@@ -114,6 +108,10 @@ def init_ray(cfg: RunConfig) -> bool:
             runtime_env=env,
             log_to_driver=True,
             logging_level=level,
+            # Ray starts idle workers for the first driver, without the run's runtime_env, so no
+            # actor of the run can use them: 2 processes' imports (about 0.8 s of CPU) during the
+            # start-up, when every core is busy (measured: first step 0.3-0.5 s later with them)
+            _system_config={"prestart_worker_first_driver": False},
         )
     console.install_log_filter()
     return True
@@ -368,7 +366,9 @@ class StreamFactory:
     def __call__(self) -> Any:
         import ray
 
+        from asyncrl import checkpoint
         from asyncrl.coordinator import PolicyStoreClient
+        from asyncrl.plan import load_examples
 
         cfg = self.plan.cfg
         ckpt = checkpoint.latest(cfg.run_dir)
@@ -394,6 +394,7 @@ def fresh_blocks(
     plan: RunPlan, train_ex: list[Any], skip: np.ndarray | None = None
 ) -> list[dict[str, np.ndarray]]:
     """A built-in task's prompt blocks of ``train_ex`` (``prompt_blocks``), without the ledger's ``skip``."""
+    from asyncrl.plan import prompt_blocks
     from asyncrl.workloads.checkpoints import load_tokenizer
 
     cfg = plan.cfg
@@ -412,6 +413,7 @@ class RunAborted(RuntimeError):
 def prepare_run_dir(plan: RunPlan) -> None:
     """Before a run: drop what would claim an outcome (summary, abort note); a fresh run (nothing to
     resume) also drops the checkpoints, books and fault markers an earlier run left."""
+    from asyncrl import checkpoint
     from asyncrl.telemetry.names import SUMMARY_FILE
 
     run_dir = Path(plan.cfg.run_dir)
@@ -442,16 +444,45 @@ def prepare_run_dir(plan: RunPlan) -> None:
             )
 
 
-def prepare_driver(plan: RunPlan | None, train_ex: list[Any] | None, out: list[Any]) -> None:
-    """``run``'s work beside ``ray.init``: ``import_run_modules``, then (``plan`` given) a fresh
-    run's blocks of ``train_ex`` appended to ``out``. A failure here is left for ``run`` to raise:
-    the stream's factory then cuts the blocks itself."""
+@dataclass(frozen=True)
+class Prepared:
+    """The driver's side of a run, made beside Ray's start (``prepare_driver``)."""
+
+    cfg: RunConfig
+    plan: RunPlan
+    train_ex: list[Any]
+    eval_ex: list[Any]
+    #: a fresh run's prompt blocks (None: the stream's factory cuts them itself)
+    fresh: list[dict[str, np.ndarray]] | None
+
+
+def prepare_driver(cfg: RunConfig) -> Prepared:
+    """``run``'s work beside ``ray.init``, which waits seconds for Ray's processes and leaves a core
+    idle: the components' names and the workload's settings (``load_config`` less the parse), every
+    check of ``make_plan``, the run directory and its config, the examples, the imports ``run``
+    needs next (``import_run_modules``: torch, Ray Train, the learner) and a fresh run's prompt
+    blocks. A failed check is raised (``run`` stops the Ray it started, then raises it); a failure
+    to cut the blocks is left to the stream's factory, which cuts them itself and raises it there."""
+    from asyncrl.plan import load_examples, make_plan
+
+    # idempotent: a config loaded by load_config is resolved already; one built in code or parsed
+    # (``parse_config``, the CLI's) is resolved here, and may still say sampling.max_new_tokens=auto
+    cfg = resolve_auto(resolve_components(cfg))
+    plan = make_plan(cfg)
+    cfg = plan.cfg
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_run_dir(plan)
+    save_config(cfg, run_dir / "config.yaml")
+    train_ex, eval_ex = load_examples(cfg)
     import_run_modules()
-    if plan is not None and train_ex is not None:
+    fresh = None
+    if plan.prompts is None and plan.resume_dir is None:
         try:
-            out.append(fresh_blocks(plan, train_ex))
+            fresh = fresh_blocks(plan, train_ex)
         except Exception:  # raised again where StreamFactory cuts them
-            return
+            fresh = None
+    return Prepared(cfg, plan, train_ex, eval_ex, fresh)
 
 
 def import_run_modules() -> None:
@@ -486,38 +517,32 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
 
     marks = {"run_started_at": time.time(), "process_started_at": process_started_at()}
     if not isinstance(cfg, RunConfig):
-        cfg = load_config(cfg)
-    cfg = resolve_auto(cfg)  # a RunConfig built in code may still say sampling.max_new_tokens=auto
+        cfg = parse_config(cfg)
     t0 = time.perf_counter()
-    plan = make_plan(cfg)
-    cfg = plan.cfg
+    # Ray's start waits seconds for its processes on one core; the driver's own preparation (the
+    # checks, imports and prompt blocks: about 3 s of CPU) runs beside it (``prepare_driver``). A
+    # failed check stops the Ray instance this call started before it is raised.
+    with ThreadPoolExecutor(1, thread_name_prefix="asyncrl-prepare") as pool:
+        preparing = pool.submit(prepare_driver, cfg)
+        marks["ray_started_at"] = time.time()
+        started = init_ray(cfg)
+        marks["ray_ready_at"] = time.time()
+        try:
+            ready = preparing.result()
+        except BaseException:
+            if started:
+                ray.shutdown()
+            raise
+    cfg, plan, eval_ex, fresh = ready.cfg, ready.plan, ready.eval_ex, ready.fresh
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    prepare_run_dir(plan)
-    save_config(cfg, run_dir / "config.yaml")
-    train_ex, eval_ex = load_examples(cfg)
-
-    # the driver's remaining imports (Ray Train, the learner, pandas: about 2 s of CPU) and a fresh
-    # run's prompt blocks run while ray.init waits for Ray's processes, on the core it leaves idle
-    fresh: list[Any] = []
-    cut = plan.prompts is None and plan.resume_dir is None
-    imports = threading.Thread(
-        target=prepare_driver,
-        args=(plan if cut else None, train_ex, fresh),
-        name="asyncrl-imports",
-        daemon=True,
-    )
-    imports.start()
-    marks["ray_started_at"] = time.time()
-    started = init_ray(cfg)
-    marks["ray_ready_at"] = time.time()
-    imports.join()
     from ray.train import DataConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from asyncrl import checkpoint
     from asyncrl.coordinator import PolicyStore
     from asyncrl.learner import LearnerSpec, train_loop_per_worker
+    from asyncrl.plan import check_cpus, check_gpus, kept_versions
     from asyncrl.rollouts import StreamFailed
     from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import write_summary
@@ -541,7 +566,8 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             resume_books=plan.resume_dir is not None,
         )
         configure_data_context(cfg)  # captured by Ray Train for its workers
-        stream = StreamFactory(plan, namespace, store_name, fresh=ray.put(fresh[0]) if fresh else None)
+        fresh_ref = ray.put(fresh) if fresh is not None else None
+        stream = StreamFactory(plan, namespace, store_name, fresh=fresh_ref)
         single = pc.learner_workers == 1  # the one worker builds and runs the whole stream itself
         spec = LearnerSpec(
             cfg=cfg,

@@ -1,9 +1,10 @@
 """The plan of a run, made without Ray: models, build-time checks, component options, prompt blocks.
 
-Everything that can be decided or refused before a process starts lives here, so that
-``asyncrl validate`` (and ``asyncrl run`` before Ray starts) gives the same one-line errors the
-pipeline would: unknown or mismatched components, estimator/cache/engine pairings, missing
-checkpoints, resources that cannot be satisfied. ``asyncrl.pipeline`` turns a ``RunPlan`` into
+Everything that can be decided or refused before a stage or learner process starts lives here, so
+that ``asyncrl validate`` (and ``asyncrl run``, beside Ray's start:
+``asyncrl.pipeline.prepare_driver``) gives the same one-line errors the pipeline would: unknown or
+mismatched components, estimator/cache/engine pairings, missing checkpoints, resources that
+cannot be satisfied. ``asyncrl.pipeline`` turns a ``RunPlan`` into
 the Ray graph.
 
 The prompt stream (``asyncrl.stream``): seeded epochs over the training prompts, ``G`` samples
@@ -26,6 +27,7 @@ import numpy as np
 from asyncrl import records as R
 from asyncrl.config import RunConfig
 from asyncrl.configurable import to_dict
+from asyncrl.raysetup import local_cpus
 from asyncrl.stream import WIDTH_SAMPLE, BlockCutter
 from asyncrl.workloads.prompts import PromptSource
 
@@ -90,8 +92,7 @@ def kept_versions(cfg: RunConfig) -> int:
 def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
     """Find the teacher and student checkpoints and check them without loading weights (complete,
     weight files intact, one vocabulary); fail with the command that creates them."""
-    from asyncrl.workloads.checkpoints import check_pair, read_meta
-    from asyncrl.workloads.pretrain import run_dir_for
+    from asyncrl.workloads.checkpoints import check_pair, read_meta, run_dir_for
 
     w = cfg.workload
     if w.student_path or w.teacher_path:
@@ -119,7 +120,7 @@ def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
     )
 
 
-# --- checks made before any process starts -------------------------------------------------------
+# --- checks made before any stage or learner process starts --------------------------------------
 def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str | None, dict[str, Any]]:
     """Names, pairings, capabilities: returns (estimator, cache kind or None for RL, cache options)."""
     from asyncrl.caches import CACHES, check_pairing
@@ -279,13 +280,6 @@ def _reserved(cfg: RunConfig, unit: str, actors: int) -> tuple[float, str]:
         f"{unit}_per_actor={per_actor:g}"
     )
     return need, parts
-
-
-def local_cpus(cfg: RunConfig) -> int:
-    """Logical CPUs of the local Ray instance ``asyncrl.pipeline`` starts (``pipeline.num_cpus``)."""
-    import os
-
-    return cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
 
 
 def check_cpus(cfg: RunConfig, cluster_cpus: float) -> None:

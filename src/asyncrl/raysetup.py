@@ -35,7 +35,10 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.config import RunConfig
 
 TICK_ENV = "ASYNCRL_DATA_TICK_S"
 DEFAULT_TICK_S = 0.1
@@ -60,6 +63,11 @@ RAY_ENV = {
 #: actor process that polls for cloud nodes being drained, started with every worker group) has
 #: nothing to watch there, and costs a process start (about 1.3 s of CPU) during the run's start-up
 LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
+def local_cpus(cfg: RunConfig) -> int:
+    """Logical CPUs of the local Ray instance ``asyncrl.pipeline`` starts (``pipeline.num_cpus``)."""
+    return cfg.pipeline.num_cpus or max(4, 2 * (os.cpu_count() or 2))
 
 
 def apply_env() -> None:

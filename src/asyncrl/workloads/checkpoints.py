@@ -15,9 +15,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch itself is imported where a model loads: the CLI checks files first
+    import torch
 
 META_FILE = "asyncrl_meta.json"
 _WEIGHT_FILES = (
@@ -27,6 +28,11 @@ _WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def run_dir_for(task: str, preset: str, seed: int, cache_dir: str | Path = ".asyncrl_cache") -> Path:
+    """``cache_dir/<task>-<preset>-s<seed>``: where ``pretrain`` puts (and looks for) a pair."""
+    return Path(cache_dir) / f"{task}-{preset}-s{seed}"
 
 
 class CheckpointError(FileNotFoundError):
@@ -134,9 +140,13 @@ def _generic_tokenizer(p: Path) -> bool:
     return bool(model_type) and not (names & overridden) and "Mistral" not in registered
 
 
-def load_model(path: str | Path, *, role: str = "model", hint: str = "", dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)`` from a complete checkpoint directory, local files only, eval mode."""
+def load_model(path: str | Path, *, role: str = "model", hint: str = "", dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` from a complete checkpoint directory, local files only, eval mode;
+    ``dtype`` None: float32."""
+    import torch
     from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if dtype is None else dtype
 
     p = check_complete(path, role=role, hint=hint)
     model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype).eval()
@@ -221,7 +231,7 @@ def check_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = 
     """``load_pair``'s checks without loading any weights: both directories complete, weight files
     intact, one vocabulary (tokenizers and output sizes). Returns the student's tokenizer.
 
-    What ``asyncrl validate`` and the driver run before any process starts."""
+    What ``asyncrl validate`` and the driver run before any stage or learner process starts."""
     hint = hint or _pretrain_hint(teacher_dir, student_dir)
     toks = {}
     for role, d in (("teacher", teacher_dir), ("student", student_dir)):

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.workloads.checkpoints import load_pair, missing_parts, read_meta, save_checkpoint
+from asyncrl.workloads.checkpoints import load_pair, missing_parts, read_meta, run_dir_for, save_checkpoint
 from asyncrl.workloads.evaluate import exact_match
 from asyncrl.workloads.presets import Preset, Schedule, build_model, get_preset, num_parameters
 from asyncrl.workloads.tasks import Example, Task, answer_token_budget, get_task, prompt_token_ids
@@ -82,11 +82,6 @@ class PretrainResult:
     reused: bool = False
     teacher_steps: int = 0
     student_steps: int = 0
-
-
-def run_dir_for(task: str, preset: str, seed: int, cache_dir: str | Path = ".asyncrl_cache") -> Path:
-    """``cache_dir/<task>-<preset>-s<seed>``: where ``pretrain`` puts (and looks for) a pair."""
-    return Path(cache_dir) / f"{task}-{preset}-s{seed}"
 
 
 def workload_tokenizer(
