@@ -450,7 +450,7 @@ class Prepared:
 
     cfg: RunConfig
     plan: RunPlan
-    train_ex: list[Any]
+    #: the held-out prompts the learner evaluates on
     eval_ex: list[Any]
     #: a fresh run's prompt blocks (None: the stream's factory cuts them itself)
     fresh: list[dict[str, np.ndarray]] | None
@@ -482,7 +482,7 @@ def prepare_driver(cfg: RunConfig) -> Prepared:
             fresh = fresh_blocks(plan, train_ex)
         except Exception:  # raised again where StreamFactory cuts them
             fresh = None
-    return Prepared(cfg, plan, train_ex, eval_ex, fresh)
+    return Prepared(cfg, plan, eval_ex, fresh)
 
 
 def import_run_modules() -> None:
