@@ -118,6 +118,48 @@ def test_unknown_keys_name_the_key(section: str, key: str) -> None:
     assert dotted in str(info.value) and "\n" not in str(info.value)
 
 
+def test_switching_estimator_on_the_command_line_says_to_reset_its_options() -> None:
+    """The demo config's ``estimator.options.tail`` is forward_kl's: ``estimator.name=forward_kl_mc``
+    alone keeps it, and the error says whose options they are and how to reset them."""
+    demo = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_async.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(demo, ["estimator.name=forward_kl_mc"])
+    text = str(info.value)
+    assert info.value.field == "estimator.options.tail" and "\n" not in text
+    assert "estimator 'forward_kl_mc'" in text and "estimator.options={}" in text, text
+    cfg = load_config(demo, ["estimator.name=forward_kl_mc", "estimator.options={}"])  # the fix works
+    assert cfg.estimator.name == "forward_kl_mc" and dict(cfg.estimator.options) == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (
+            ["estimator.options={}", "estimator.name=reverse_kl_mc", "sampling.mc_samples=0"],
+            "sampling.mc_samples",
+        ),
+        (["sampling.temperature=0"], "sampling.temperature"),
+        (["train.batch_size=6", "pipeline.learner_workers=4"], "train.batch_size"),
+        (["train.batch_size=8", "train.minibatches=3", "train.steps=9"], "train.minibatches"),
+        (["estimator.options={}", "estimator.name=grpo", "train.group_size=1"], "train.group_size"),
+        (
+            ["estimator.options={}", "estimator.name=grpo", "train.group_size=4", "cache.kind=topk"],
+            "cache.kind",
+        ),
+    ],
+)
+def test_the_plans_config_checks_name_their_field(cache: Path, overrides: list[str], field: str) -> None:
+    """The plan's checks of config values raise ``ConfigError`` (``asyncrl run`` exits 2 on it, as
+    ``validate`` does), naming the field to change."""
+    from asyncrl.config import parse_config, resolve_components
+    from asyncrl.plan import check_components
+
+    cfg = resolve_components(parse_config(TINY, [f"workload.cache_dir={cache}", *overrides]))
+    with pytest.raises(ConfigError) as info:
+        check_components(cfg, str(cache / "addition-tiny-s0" / "student"))
+    assert info.value.field == field and "\n" not in str(info.value), str(info.value)
+
+
 wrong_values = st.sampled_from(["abc", "[1, 2]", "{a: 1}", "-7", "1.5", "true", "null", "''", "1e99", "-0.5"])
 
 

@@ -439,15 +439,27 @@ def resolve_components(cfg: RunConfig) -> RunConfig:
     from asyncrl.registry import RegistryError
     from asyncrl.workloads import presets, tasks
 
-    def _try(fieldname: str, fn, value: Any) -> None:
+    def _try(fieldname: str, fn, value: Any, component: str | None = None) -> None:
         try:
             fn()
         except RegistryError as err:
             raise ConfigError(fieldname, value, str(err)) from None
         except ConfigError as err:
+            unknown_option = err.field.startswith("options.") and err.fix.startswith("unknown key")
+            if component is not None and unknown_option:
+                # most often a config written for another estimator, renamed on the command line
+                # (``estimator.name=...`` overrides the name only: the options stay)
+                err = ConfigError(
+                    err.field,
+                    err.value,
+                    f"{err.fix} (the options of {component}); a config written for another one keeps its "
+                    f"options when only the name is overridden: reset them too "
+                    f"({fieldname}.options={{}}, then {fieldname}.options.KEY=VALUE for any you want)",
+                )
             raise err.prefixed(fieldname) from None
 
-    _try("estimator", lambda: estimators.build(cfg.estimator.name, cfg.estimator.options), cfg.estimator.name)
+    est = cfg.estimator
+    _try("estimator", lambda: estimators.build(est.name, est.options), est.name, f"estimator {est.name!r}")
     for i, c in enumerate(cfg.controllers):
         _try(f"controllers[{i}]", lambda c=c: controllers.build(c.name, c.options), c.name)
     if cfg.cache.kind != "auto":

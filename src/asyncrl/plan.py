@@ -26,7 +26,7 @@ import numpy as np
 
 from asyncrl import records as R
 from asyncrl.config import RunConfig
-from asyncrl.configurable import to_dict
+from asyncrl.configurable import ConfigError, to_dict
 from asyncrl.raysetup import local_cpus
 from asyncrl.stream import WIDTH_SAMPLE, BlockCutter
 from asyncrl.workloads.prompts import PromptSource
@@ -131,19 +131,28 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     from asyncrl.estimators import build as build_estimator
     from asyncrl.step import check_composition
 
+    # before the cache's options, which take the temperature too
+    if cfg.sampling.temperature == 0:
+        raise ConfigError(
+            "sampling.temperature", 0, "0 is greedy; training needs a sampling distribution (e.g. 1.0)"
+        )
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     kind = None
     opts: dict[str, Any] = {}
     if estimator.cache_kind is None:  # an RL estimator: rewards, no teacher
         if cfg.cache.kind != "auto":
-            raise ValueError(
-                f"cache.kind={cfg.cache.kind!r} but estimator {cfg.estimator.name!r} is an RL estimator "
-                f"(rewards, no teacher cache): remove cache.kind"
+            raise ConfigError(
+                "cache.kind",
+                cfg.cache.kind,
+                f"estimator {cfg.estimator.name!r} is an RL estimator (rewards, no teacher cache): "
+                f"remove cache.kind",
             )
         if R.GROUP_ID in estimator.required_columns() and cfg.train.group_size < 2:
-            raise ValueError(
+            raise ConfigError(
+                "train.group_size",
+                cfg.train.group_size,
                 f"estimator {cfg.estimator.name!r} normalises rewards within groups: "
-                f"set train.group_size >= 2"
+                f"set train.group_size >= 2",
             )
     else:
         kind = estimator.cache_kind if cfg.cache.kind == "auto" else cfg.cache.kind
@@ -153,13 +162,11 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
         CACHES.get(kind)(**opts)  # validates the options
     needs_mc = R.MC_IDS in estimator.required_columns() or kind == "behavior_mc"
     if needs_mc and cfg.sampling.mc_samples < 1:
-        raise ValueError(
+        raise ConfigError(
+            "sampling.mc_samples",
+            cfg.sampling.mc_samples,
             f"estimator {cfg.estimator.name!r} needs behavior MC samples: set sampling.mc_samples >= 1 "
-            f"(e.g. sampling.mc_samples=8)"
-        )
-    if cfg.sampling.temperature == 0:
-        raise ValueError(
-            "sampling.temperature=0 is greedy; training needs a sampling distribution (e.g. 1.0)"
+            f"(e.g. sampling.mc_samples=8)",
         )
     # a registered name or a dotted path: the class must be an engine that takes the options, and
     # it decides what it can serve for this checkpoint (MC draws, kernels, its extra)
@@ -170,15 +177,18 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     )
     tc, pc = cfg.train, cfg.pipeline
     if tc.batch_size % pc.learner_workers:
-        raise ValueError(
-            f"train.batch_size={tc.batch_size} must divide evenly over "
-            f"pipeline.learner_workers={pc.learner_workers}"
+        raise ConfigError(
+            "train.batch_size",
+            tc.batch_size,
+            f"must divide evenly over pipeline.learner_workers={pc.learner_workers}",
         )
     local = tc.batch_size // pc.learner_workers
     if local % (tc.group_size * tc.minibatches):
-        raise ValueError(
+        raise ConfigError(
+            "train.minibatches",
+            tc.minibatches,
             f"each learner worker's share of train.batch_size ({local}) must split into train.minibatches="
-            f"{tc.minibatches} mini-batches of whole groups (train.group_size={tc.group_size})"
+            f"{tc.minibatches} mini-batches of whole groups (train.group_size={tc.group_size})",
         )
     chain = build_chain(controller_specs(cfg))
     check_composition(estimator, chain)  # estimator x controller pairings with no documented gradient
