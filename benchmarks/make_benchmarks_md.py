@@ -94,6 +94,14 @@ BENCHES = [
         markdown_out=True,
     ),
     Bench(
+        "overlap_ceiling",
+        "Two threads of one process against two processes (the colocated rollout thread's ceiling)",
+        "overlap_ceiling.py",
+        [],
+        ["--batches", "4", "--rounds", "1"],
+        uses_cache=True,
+    ),
+    Bench(
         "async_vs_sync",
         "asyncrl plain loop vs max_lag=0 (stage actors, and colocated) vs max_lag=2",
         "async_vs_sync.py",

@@ -9,6 +9,7 @@ finite loss and a finite gradient on the logits."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,41 @@ def test_vs_trl_systems_train_batch_samples_per_optimizer_step(system: str, tmp_
     cfg = vs_trl.run_config(spec, vs_trl.SYSTEMS[system][2])
     assert cfg.train.batch_size // cfg.train.minibatches == 32
     assert cfg.train.minibatches == (2 if system.endswith("_mb2") else 1)
+
+
+def test_overlap_ceiling_layouts_train_every_batch_once_in_order() -> None:
+    """``overlap_ceiling.py``'s serial and thread layouts run each batch through generate -> score ->
+    learn exactly once and in order, and report shares of the wall clock within [0, 1]."""
+    import overlap_ceiling as oc
+
+    class Fake:
+        def __init__(self) -> None:
+            self.learned: list[tuple[int, int]] = []
+
+        def generate(self, i: int) -> dict[str, int]:
+            time.sleep(0.002)
+            return {"i": i}
+
+        def score(self, batch: dict[str, int]) -> dict[str, int]:
+            return {**batch, "scored": 1}
+
+        def learn(self, batch: dict[str, int], i: int) -> float:
+            assert batch["scored"] == 1
+            self.learned.append((batch["i"], i))
+            time.sleep(0.002)
+            return 0.0
+
+    for layout in (oc.serial, oc.threads):
+        st = Fake()
+        res = layout(st, 5, 6)
+        assert st.learned == [(i, i) for i in range(5, 11)], layout.__name__
+        assert res["wall_s"] > 0 and res["minflt_per_batch"] >= 0
+        shares = {k: v for k, v in res.items() if k.endswith(("_on_core", "_waiting"))}
+        if layout is oc.threads and Path("/proc/thread-self/schedstat").exists():
+            assert set(shares) == {
+                "learner_on_core",
+                "learner_waiting",
+                "rollouts_on_core",
+                "rollouts_waiting",
+            }
+        assert all(0 <= v <= 1.05 for v in shares.values()), shares
