@@ -8,15 +8,15 @@ The stages are ``stage_times.Stages`` (the plain loop's parts: the HF engine, th
 dense cache, the student's AdamW step), one torch thread each, on the same B-sample prompt blocks:
 
   serial      generate -> score -> learn, one batch after the other (the plain single-process loop)
-  threads     a rollout thread generates and scores batch k+1 while the caller learns batch k (a
-              queue of depth 1: what the colocated rollout thread does, without Ray, admission or
-              telemetry)
+  threads     a rollout thread generates and scores batch k+1 while the caller learns batch k
+              (``asyncrl.rollouts.RunAhead``, depth 1: the colocated rollout thread's own mechanism,
+              without Ray, admission or telemetry)
   processes   the rollout loop and the learning loop in two processes at once, with no hand-off
               between them: what a process split could reach at best (samples/s of the slower one)
 
 Per layout: samples/s, the ratio to serial, and per batch the minor page faults and the voluntary
 context switches of the process (``getrusage``: the threads hand the GIL and the queue over by
-sleeping and waking). For the threads, Linux's ``/proc/self/task/*/schedstat`` gives each thread's
+sleeping and waking). For the threads, Linux's ``/proc/thread-self/schedstat`` gives each thread's
 share of the wall clock on a core and runnable but waiting for one (a thread blocked on
 the GIL or the queue is neither). On a machine where threads
 overlap far below processes, a layout that splits rollouts into another process gains; where
@@ -29,11 +29,9 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import resource
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -97,26 +95,24 @@ def serial(st: Any, first: int, n: int) -> dict[str, float]:
 
 
 def threads(st: Any, first: int, n: int) -> dict[str, float]:
+    """The rollout thread as the colocated learner runs it: ``asyncrl.rollouts.RunAhead`` (depth 1)."""
+    from asyncrl.rollouts import RunAhead
+
     def loop() -> dict[str, float]:
-        q: queue.Queue = queue.Queue(maxsize=1)
         shares: dict[str, float] = {}
 
-        def rollouts() -> None:
+        def rollouts() -> Any:  # runs in RunAhead's thread, to its end before the stream ends
             mine = _Shares()
             mine.start()
             for i in range(first, first + n):
-                q.put((i, st.score(st.generate(i))))
+                yield i, st.score(st.generate(i))
             shares["rollouts_on_core"], shares["rollouts_waiting"] = mine.stop()
 
         learner = _Shares()
         learner.start()
-        th = threading.Thread(target=rollouts, name="rollouts", daemon=True)
-        th.start()
-        for _ in range(n):
-            i, batch = q.get()
+        for i, batch in RunAhead(rollouts(), depth=1, name="rollouts"):
             st.learn(batch, i)
         shares["learner_on_core"], shares["learner_waiting"] = learner.stop()
-        th.join()
         return shares
 
     return _timed(loop, n)
