@@ -100,10 +100,19 @@ def ess_np(log_w: np.ndarray) -> float:
 def ray_local():
     import ray
 
-    from asyncrl.raysetup import RAY_ENV, runtime_env
+    from asyncrl.raysetup import LOCAL_RAY_ENV, RAY_ENV, runtime_env
 
-    # the Ray Data tick users get (pipeline.data_tick_s default), so tests run what users run
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=runtime_env(RAY_ENV))
+    # the local Ray instance `asyncrl run` starts (asyncrl.pipeline.init_ray), so tests run what
+    # users run: the Ray Data tick users get (pipeline.data_tick_s default), no preemption watcher
+    # (LOCAL_RAY_ENV) and no idle workers started without the runtime_env (about 2 s of CPU per
+    # run and per module start on 2 cores)
+    env = {**RAY_ENV, **{k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}}
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        runtime_env=runtime_env(env),
+        _system_config={"prestart_worker_first_driver": False},
+    )
     yield ray
     ray.shutdown()
 

@@ -138,9 +138,6 @@ def test_switching_estimator_on_the_command_line_says_to_reset_its_options() -> 
             ["estimator.options={}", "estimator.name=reverse_kl_mc", "sampling.mc_samples=0"],
             "sampling.mc_samples",
         ),
-        (["sampling.temperature=0"], "sampling.temperature"),
-        (["train.batch_size=6", "pipeline.learner_workers=4"], "train.batch_size"),
-        (["train.batch_size=8", "train.minibatches=3", "train.steps=9"], "train.minibatches"),
         (["estimator.options={}", "estimator.name=grpo", "train.group_size=1"], "train.group_size"),
         (
             ["estimator.options={}", "estimator.name=grpo", "train.group_size=4", "cache.kind=topk"],
@@ -158,6 +155,37 @@ def test_the_plans_config_checks_name_their_field(cache: Path, overrides: list[s
     with pytest.raises(ConfigError) as info:
         check_components(cfg, str(cache / "addition-tiny-s0" / "student"))
     assert info.value.field == field and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["sampling.temperature=0"], "sampling.temperature"),
+        (["train.batch_size=6", "pipeline.learner_workers=4"], "train.batch_size"),
+        (["train.batch_size=8", "train.minibatches=3", "train.steps=9"], "train.minibatches"),
+        (["train.group_size=8", "pipeline.learner_workers=4"], "train.minibatches"),
+    ],
+)
+def test_checks_across_sections_fail_at_load(overrides: list[str], field: str) -> None:
+    """Checks that need no component fail in ``parse_config`` (``asyncrl run`` parses before Ray's
+    start, so these cost no Ray start and stop), naming the field to change."""
+    from asyncrl.config import parse_config
+
+    with pytest.raises(ConfigError) as info:
+        parse_config(TINY, overrides)
+    assert info.value.field == field and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_config_error_found_at_load_stops_asyncrl_run_before_ray(monkeypatch, capsys) -> None:
+    """``asyncrl run`` with a cross-section error exits 2 without starting Ray."""
+    import asyncrl.pipeline
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a config that fails at load")
+
+    monkeypatch.setattr(asyncrl.pipeline, "init_ray", no_ray)
+    assert main(["run", str(TINY), "sampling.temperature=0"]) == 2
+    assert "sampling.temperature" in capsys.readouterr().err
 
 
 wrong_values = st.sampled_from(["abc", "[1, 2]", "{a: 1}", "-7", "1.5", "true", "null", "''", "1e99", "-0.5"])

@@ -299,6 +299,33 @@ class RunConfig:
         default_factory=FaultConfig, help="fault injection for reliability tests and soak runs (off)"
     )
 
+    def __post_init__(self) -> None:
+        """Checks across sections that need no component: they fail at load (``asyncrl run``
+        reports them before Ray starts). Each names the field to change."""
+        sp, tc, pc = self.sampling, self.train, self.pipeline
+        # greedy decoding is for evaluation: training needs a sampling distribution (eval builds
+        # its own SamplingParams)
+        check(
+            sp.temperature != 0,
+            "sampling.temperature",
+            sp.temperature,
+            "0 is greedy; training needs a sampling distribution (e.g. 1.0)",
+        )
+        check(
+            tc.batch_size % pc.learner_workers == 0,
+            "train.batch_size",
+            tc.batch_size,
+            f"must divide evenly over pipeline.learner_workers={pc.learner_workers}",
+        )
+        local = tc.batch_size // pc.learner_workers
+        check(
+            local % (tc.group_size * tc.minibatches) == 0,
+            "train.minibatches",
+            tc.minibatches,
+            f"each learner worker's share of train.batch_size ({local}) must split into train.minibatches="
+            f"{tc.minibatches} mini-batches of whole groups (train.group_size={tc.group_size})",
+        )
+
     @property
     def algo(self) -> Literal["opd", "rl"]:
         """``rl`` when the estimator learns from rewards (needs no teacher cache, e.g. ``grpo``),

@@ -131,11 +131,8 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     from asyncrl.estimators import build as build_estimator
     from asyncrl.step import check_composition
 
-    # before the cache's options, which take the temperature too
-    if cfg.sampling.temperature == 0:
-        raise ConfigError(
-            "sampling.temperature", 0, "0 is greedy; training needs a sampling distribution (e.g. 1.0)"
-        )
+    # sampling.temperature=0, train.batch_size over learner workers and train.minibatches into
+    # groups are checked at load (``RunConfig.__post_init__``), before Ray starts
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     kind = None
     opts: dict[str, Any] = {}
@@ -175,21 +172,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     engine.check_supported(
         student_dir, SamplingParams(**to_dict(cfg.sampling)), **dict(cfg.pipeline.engine_options)
     )
-    tc, pc = cfg.train, cfg.pipeline
-    if tc.batch_size % pc.learner_workers:
-        raise ConfigError(
-            "train.batch_size",
-            tc.batch_size,
-            f"must divide evenly over pipeline.learner_workers={pc.learner_workers}",
-        )
-    local = tc.batch_size // pc.learner_workers
-    if local % (tc.group_size * tc.minibatches):
-        raise ConfigError(
-            "train.minibatches",
-            tc.minibatches,
-            f"each learner worker's share of train.batch_size ({local}) must split into train.minibatches="
-            f"{tc.minibatches} mini-batches of whole groups (train.group_size={tc.group_size})",
-        )
+    pc = cfg.pipeline
     chain = build_chain(controller_specs(cfg))
     check_composition(estimator, chain)  # estimator x controller pairings with no documented gradient
     check_gradient_telemetry(cfg, estimator, student_dir)
