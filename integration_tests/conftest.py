@@ -96,23 +96,24 @@ def ess_np(log_w: np.ndarray) -> float:
     return float(w.sum() ** 2 / (len(w) * (w**2).sum()))
 
 
+def init_local_ray(**env_vars: str) -> None:
+    """``ray.init`` of the local instance ``asyncrl run`` starts (``asyncrl.pipeline.init_ray``: its
+    runtime_env with the Ray Data tick users get, no preemption watcher, no idle workers started
+    without the runtime_env), with 4 logical CPUs and ``env_vars`` added to every process's env."""
+    import ray
+
+    from asyncrl.pipeline import LOCAL_SYSTEM_CONFIG, ray_runtime_env
+
+    env = ray_runtime_env(RunConfig())
+    env["env_vars"].update(env_vars)
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env=env, _system_config=LOCAL_SYSTEM_CONFIG)
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
 
-    from asyncrl.raysetup import LOCAL_RAY_ENV, RAY_ENV, runtime_env
-
-    # the local Ray instance `asyncrl run` starts (asyncrl.pipeline.init_ray), so tests run what
-    # users run: the Ray Data tick users get (pipeline.data_tick_s default), no preemption watcher
-    # (LOCAL_RAY_ENV) and no idle workers started without the runtime_env (about 2 s of CPU per
-    # run and per module start on 2 cores)
-    env = {**RAY_ENV, **{k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}}
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        runtime_env=runtime_env(env),
-        _system_config={"prestart_worker_first_driver": False},
-    )
+    init_local_ray()  # so tests run what users run
     yield ray
     ray.shutdown()
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CACHE, REPO, check_contract, tiny_config
+from conftest import CACHE, REPO, check_contract, init_local_ray, tiny_config
 
 from asyncrl.engines import HFEngine
 from asyncrl.pipeline import run
@@ -64,19 +64,9 @@ class CappedEngine:
 def ray_with_user_modules():
     import ray
 
-    from asyncrl.raysetup import LOCAL_RAY_ENV, RAY_ENV, runtime_env
-
-    # conftest's ray_local (the local instance `asyncrl run` starts) with the example modules importable
-    env = runtime_env({**RAY_ENV, **{k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}})
     paths = [str(HERE), str(EXAMPLES), os.environ.get("PYTHONPATH", "")]
-    env["env_vars"]["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     sys.path.insert(0, str(EXAMPLES))  # the driver resolves the same names
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        runtime_env=env,
-        _system_config={"prestart_worker_first_driver": False},
-    )
+    init_local_ray(PYTHONPATH=os.pathsep.join(p for p in paths if p))  # conftest's + the example modules
     yield ray
     ray.shutdown()
     sys.path.remove(str(EXAMPLES))

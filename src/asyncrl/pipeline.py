@@ -87,6 +87,13 @@ def ray_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     return runtime_env(env_vars, cfg.pipeline.data_tick_s)
 
 
+#: ``_system_config`` of a local Ray instance a run starts: Ray starts idle workers for the first
+#: driver, without the run's runtime_env, so no actor of the run can use them: 2 processes' imports
+#: (about 0.8 s of CPU) during the start-up, when every core is busy (measured: first step 0.3-0.5 s
+#: later with them)
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+
+
 def init_ray(cfg: RunConfig) -> bool:
     """Start (or join) Ray; returns True if this call started it (and so must shut it down).
     Worker logs reach the driver through ``asyncrl.telemetry.console``'s filter (``-v``: all)."""
@@ -108,10 +115,7 @@ def init_ray(cfg: RunConfig) -> bool:
             runtime_env=env,
             log_to_driver=True,
             logging_level=level,
-            # Ray starts idle workers for the first driver, without the run's runtime_env, so no
-            # actor of the run can use them: 2 processes' imports (about 0.8 s of CPU) during the
-            # start-up, when every core is busy (measured: first step 0.3-0.5 s later with them)
-            _system_config={"prestart_worker_first_driver": False},
+            _system_config=LOCAL_SYSTEM_CONFIG,
         )
     console.install_log_filter()
     return True
