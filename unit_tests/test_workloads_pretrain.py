@@ -254,6 +254,26 @@ def test_an_overshoot_is_bisected_to_a_step_inside_the_band() -> None:
         _bisect_band(model, snaps, lambda: jump[int(model.weight.item())], band, (10, 0.1), (20, 0.9), print)
 
 
+def test_band_snapshots_copy_tied_weights_once_and_restore_them_tied() -> None:
+    """The band search's per-step copy (``_snapshot``): a tied embedding / LM head (qwen3's) is one
+    copy under both keys, the copy does not follow later steps, and loading it keeps the tie."""
+    from asyncrl.workloads.pretrain import _snapshot
+
+    model = torch.nn.Sequential(torch.nn.Embedding(7, 3), torch.nn.Linear(3, 7, bias=False))
+    model[1].weight = model[0].weight
+    before = model[0].weight.detach().clone()
+    snap = _snapshot(model)
+    assert set(snap) == {"0.weight", "1.weight"} and snap["0.weight"] is snap["1.weight"]
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert torch.equal(snap["0.weight"], before)
+    model.load_state_dict(snap)
+    assert model[1].weight is model[0].weight and torch.equal(model[0].weight, before)
+    untied = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    copies = _snapshot(untied)
+    assert len({v.data_ptr() for v in copies.values()}) == 4  # two weights, two biases
+
+
 def test_cache_lock_lets_one_trainer_at_a_time_and_sits_beside_the_entry(tmp_path):
     """Two callers pretraining the same pair (a background warm-up and a test fixture, or two CLI
     runs) must not train and write one cache entry at once: the second waits for the first."""

@@ -311,7 +311,14 @@ def train_supervised(
 
     ids, labels = _encode_supervised(tokenizer, train)  # [N, L] each
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=schedule.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    # foreach: each elementwise op over all tensors at once instead of a loop per parameter (torch's
+    # CPU default), bit for bit the same update, 3x cheaper here (a `qwen-tiny` teacher step: 0.060 ->
+    # 0.021 s of 0.43 s; its tied 151,936 x 64 embedding is most of the parameters). Not fused=True
+    # (0.007 s): its rounding differs, and the tiny student then stayed under its band (0.098 after
+    # 1,200 steps; 0.213 at 875 with this update), so every cached pair would change
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=schedule.lr, betas=(0.9, 0.98), weight_decay=0.0, foreach=True
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, schedule))
     max_new = answer_token_budget(task, tokenizer)
     sparse_head = model.get_output_embeddings().weight.shape[0] >= SPARSE_HEAD_MIN_VOCAB
@@ -341,7 +348,7 @@ def train_supervised(
         opt.step()
         sched.step()
         if stop == "band":
-            since_eval.append((step, {k: v.detach().clone() for k, v in model.state_dict().items()}))
+            since_eval.append((step, _snapshot(model)))
         if step % schedule.eval_every and step != schedule.max_steps:
             if progress is not None:
                 progress.update(step, {names.LOSS: loss.item()})
@@ -388,6 +395,20 @@ def _supervised_loss(
     keep = target != -100
     logits = model.get_output_embeddings()(hidden[keep])  # [n, V] at the n labelled positions
     return torch.nn.functional.cross_entropy(logits.float(), target[keep])
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s state, tied weights copied once: a `qwen-tiny` student's tied 151,936-row
+    embedding and LM head are one tensor under two keys (half its state), copied every step of the band
+    search (``load_state_dict`` writes the one copy into the one parameter)."""
+    copies: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for key, value in model.state_dict().items():
+        alias = (value.data_ptr(), tuple(value.shape))
+        if alias not in copies:
+            copies[alias] = value.detach().clone()
+        out[key] = copies[alias]
+    return out
 
 
 def _bisect_band(
