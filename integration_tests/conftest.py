@@ -35,9 +35,9 @@ PAIRS = {"tiny_pair": "tiny", "small_pair": "small", "qwen_pair": "qwen-tiny"}
 #: priority: it takes the cycles the tests leave idle instead of slowing them (measured beside the
 #: DeepSpeed test: it lost 0.33 s of wall per CPU second the pretraining got at nice 19, 0.48 s at 0)
 WARM = ("small_pair", "qwen_pair")
-#: the tests needing these pairs run after all others: their pretraining (about 12 minutes of one core
-#: at nice 19) then finishes in the cycles the other tests leave idle, where in file order the qwen
-#: tests waited 215 s for it with one core idle (CI of 2026-12-03 22:26 UTC)
+#: the tests needing these pairs run after all others: their pretraining (11.5 minutes of one core
+#: alone, 18 beside the tests at nice 19) then finishes in the cycles the other tests leave idle, where
+#: in file order the qwen tests waited 215 s for it with one core idle (CI of 2026-12-03 22:26 UTC)
 LAST = ("qwen_pair",)
 _warming: list = []
 
