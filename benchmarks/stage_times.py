@@ -11,8 +11,10 @@ each call alone. Stages, one torch thread each (what every pipeline process uses
   generate   the HF engine samples B completions from the student (the generator actor's work)
   score      one teacher forward over prompt + completion and the cache build (dense or top-k)
   learn      student forward, estimator loss, backward, grad-norm clip, AdamW step
-  publish    the learner's side of a weight update: state_dict copied to CPU, then pickled
-  load       the generator's side: unpickle, then ``engine.load_weights``
+  publish    the learner's side of a weight update, as the pipeline does it: ``publishable_state``
+             (CPU copies, tied weights once), ``pack_weights``, pickle 5 with the buffers copied
+             out of band (what ``ray.put`` does into the object store)
+  load       the generator's side: unpickle, ``unpack_weights``, ``engine.load_weights``
 
 Bound for C cores with perfect overlap and nothing else to pay (``throughput_bound``):
 
@@ -42,6 +44,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.backends.base import scheduled_lr
 from asyncrl.config import RunConfig, load_config
+from asyncrl.coordinator import pack_weights, publishable_state, unpack_weights
 from asyncrl.estimators import build as build_estimator
 from asyncrl.plan import load_examples, make_plan, prompt_blocks
 from asyncrl.stages import batch_seed, pad_rollout
@@ -135,14 +138,19 @@ class Stages:
         self.optimizer.step()
         return float(out.loss.detach())
 
-    def publish(self) -> bytes:
-        """The learner's side of a weight update: CPU copies of the state dict, pickled."""
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.student.state_dict().items()}
-        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    def publish(self) -> tuple[bytes, list[bytes]]:
+        """The learner's side of a weight update (``PolicyStoreClient.publish`` without Ray): the
+        packed snapshot pickled, its tensor bytes copied out of band as ``ray.put`` copies them."""
+        buffers: list[pickle.PickleBuffer] = []
+        inband = pickle.dumps(
+            pack_weights(publishable_state(self.student)), protocol=5, buffer_callback=buffers.append
+        )
+        return inband, [bytes(b.raw()) for b in buffers]
 
-    def load(self, payload: bytes, version: int) -> None:
-        """The generator's side of a weight update: unpickle and load into the engine."""
-        self.engine.load_weights(pickle.loads(payload), version)
+    def load(self, payload: tuple[bytes, list[bytes]], version: int) -> None:
+        """The generator's side of a weight update: unpickle, unpack and load into the engine."""
+        inband, buffers = payload
+        self.engine.load_weights(unpack_weights(pickle.loads(inband, buffers=buffers)), version)
 
 
 def measure_stage_times(cfg: RunConfig, *, repeats: int = 5, warmup: int = 2) -> dict[str, float]:

@@ -88,7 +88,13 @@ def test_qwen_vocab_grpo(ray_local, qwen_pair, tmp_path):
     )
     result = run(cfg)
     _check_run(result, cfg, 2)
-    assert set(read_samples(result.run_dir)["reward"]) <= {0.0, 1.0}  # exact-match rewards, sampled at tau=1
+    samples = read_samples(result.run_dir)
+    assert set(samples["reward"]) <= {0.0, 1.0}  # exact-match rewards, sampled at tau=1
+    # lock-step: step 2's rollouts came from the weights step 1 published, whose tied embedding / LM
+    # head travel as one tensor (asyncrl.tied); the engine must sample as the learner scores
+    assert (samples["lag"] == 0).all() and (samples["version_first"] == samples["learner_version"]).all()
+    assert sorted(samples["learner_version"].unique()) == [0, 1]
+    assert samples["kl_behavior_current"].abs().max() < 1e-4
 
 
 def test_qwen_pair_eval_cli_matches_pretraining(qwen_pair, capsys):

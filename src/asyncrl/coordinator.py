@@ -56,6 +56,7 @@ import ray
 import torch
 
 from asyncrl.controllers.admission import AdmissionBudget
+from asyncrl.tied import copy_once, tied_aliases
 
 STORE_NAME = "asyncrl-policy-store"
 
@@ -505,25 +506,33 @@ class BackgroundPublisher:
 
 
 def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights the PolicyStore ships to engines: compact CPU copies of ``model.state_dict()``.
+    """The weights the PolicyStore ships to engines: compact CPU copies of ``model.state_dict()``,
+    tied keys sharing one copy (``asyncrl.tied``; qwen3's tied embedding and LM head are half the
+    ``qwen-tiny`` student's keyed bytes).
 
     Engines live in other processes, maybe on other devices, hence CPU. A copy even on CPU: the
     publisher thread sends it while the next step updates the parameters in place.
     """
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    return copy_once(model.state_dict(), lambda v: v.detach().to("cpu", copy=True))
 
 
-#: a packed tensor: (torch dtype name, shape, its bytes as a flat uint8 array)
-PackedTensor = tuple[str, tuple[int, ...], np.ndarray]
+#: a packed tensor: (torch dtype name, shape, its bytes as a flat uint8 array), or the key of an
+#: earlier entry it is tied to (the same tensor: its bytes travel once)
+PackedTensor = tuple[str, tuple[int, ...], np.ndarray] | str
 
 
 def pack_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, PackedTensor]:
     """A CPU state dict as raw byte buffers, the form weights take in the object store (see the
     module docstring: numpy buffers travel out of band, torch tensors through ``torch.save``).
     Bytes rather than ``Tensor.numpy()`` so that dtypes numpy lacks (bfloat16) travel too. The
-    buffers alias the tensors: ``ray.put`` copies them before it returns."""
-    packed = {}
+    buffers alias the tensors: ``ray.put`` copies them before it returns. A key tied to an earlier
+    one (``asyncrl.tied.tied_aliases``) is packed as that key's name."""
+    aliases = tied_aliases(state_dict)
+    packed: dict[str, PackedTensor] = {}
     for key, t in state_dict.items():
+        if key in aliases:
+            packed[key] = aliases[key]
+            continue
         t = t.detach().cpu().contiguous()
         packed[key] = (
             str(t.dtype).removeprefix("torch."),
@@ -534,11 +543,20 @@ def pack_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, PackedTens
 
 
 def unpack_weights(packed: Mapping[str, PackedTensor]) -> dict[str, torch.Tensor]:
-    """Inverse of ``pack_weights``: writable tensors (one copy out of the read-only object store)."""
-    out = {}
-    for key, (dtype, shape, data) in packed.items():
+    """Inverse of ``pack_weights``: writable tensors (one copy out of the read-only object store);
+    tied keys get the same tensor, as they had when packed."""
+    out: dict[str, torch.Tensor] = {}
+    for key, entry in packed.items():
+        if isinstance(entry, str):
+            continue
+        dtype, shape, data = entry
         if data.size == 0:  # an empty uint8 buffer cannot be viewed as a wider dtype
             out[key] = torch.empty(shape, dtype=getattr(torch, dtype))
             continue
         out[key] = torch.from_numpy(np.array(data)).view(getattr(torch, dtype)).reshape(shape)
-    return out
+    for key, entry in packed.items():
+        if isinstance(entry, str):
+            if entry not in out:
+                raise ValueError(f"packed weights: {key!r} is tied to {entry!r}, which was not packed")
+            out[key] = out[entry]
+    return {key: out[key] for key in packed}  # the packed order

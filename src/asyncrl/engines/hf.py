@@ -30,6 +30,7 @@ import torch
 from asyncrl import records
 from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
 from asyncrl.engines.llama_decode import LlamaDecoder, config_unsupported_reason, unsupported_reason
+from asyncrl.tied import drop_tied_duplicates, tied_aliases
 
 #: ``HFEngine(decode=...)`` / ``pipeline.engine_options.decode``
 DECODE_CHOICES = ("auto", "fast", "hf")
@@ -171,12 +172,12 @@ class HFEngine:
         """Copy ``state_dict`` into the model (a DDP ``module.`` prefix is stripped) and set ``version``.
 
         Keys must match the model's; only tied weights (e.g. ``lm_head.weight`` tied to the
-        embedding) may be absent.
+        embedding) may be absent. A key tied in ``state_dict`` as in the model is written once.
         """
         version = check_version(version)
         sd = {(k[7:] if k.startswith("module.") else k): v for k, v in state_dict.items()}
-        result = self.model.load_state_dict(sd, strict=False)
-        tied = _tied_keys(self.model)
+        result = self.model.load_state_dict(drop_tied_duplicates(sd, self.model), strict=False)
+        tied = tied_aliases(self.model.state_dict(keep_vars=True))
         missing = [k for k in result.missing_keys if k not in tied]
         if missing or result.unexpected_keys:
             raise ValueError(
@@ -306,19 +307,6 @@ def _new_cache(model: torch.nn.Module) -> Any:
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers
         return DynamicCache()
-
-
-def _tied_keys(model: torch.nn.Module) -> set[str]:
-    """State-dict keys of parameters that share storage with an earlier key (tied weights)."""
-    seen: dict[int, str] = {}
-    tied: set[str] = set()
-    for k, v in model.state_dict(keep_vars=True).items():
-        ptr = v.data_ptr()
-        if ptr in seen:
-            tied.add(k)
-        else:
-            seen[ptr] = k
-    return tied
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

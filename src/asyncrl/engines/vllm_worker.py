@@ -25,9 +25,13 @@ RELOAD_METHOD = "asyncrl_reload_weights"
 
 
 def serialize_state_dict(state_dict: dict[str, torch.Tensor]) -> bytes:
-    """Tensors -> ``torch.save`` bytes (moved to CPU and made contiguous, so any device works)."""
+    """Tensors -> ``torch.save`` bytes (moved to CPU and made contiguous, so any device works).
+    Tied keys stay one tensor (``torch.save`` writes a shared storage once). Runs in the engine's
+    process, never in a vLLM worker, hence the import here."""
+    from asyncrl.tied import copy_once
+
     buf = io.BytesIO()
-    torch.save({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, buf)
+    torch.save(copy_once(state_dict, lambda v: v.detach().to("cpu").contiguous()), buf)
     return buf.getvalue()
 
 

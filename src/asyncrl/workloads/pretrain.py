@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.tied import copy_once
 from asyncrl.workloads.checkpoints import load_pair, missing_parts, read_meta, run_dir_for, save_checkpoint
 from asyncrl.workloads.evaluate import exact_match
 from asyncrl.workloads.presets import Preset, Schedule, build_model, get_preset, num_parameters
@@ -398,17 +399,10 @@ def _supervised_loss(
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``model``'s state, tied weights copied once: a `qwen-tiny` student's tied 151,936-row
-    embedding and LM head are one tensor under two keys (half its state), copied every step of the band
-    search (``load_state_dict`` writes the one copy into the one parameter)."""
-    copies: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-    out = {}
-    for key, value in model.state_dict().items():
-        alias = (value.data_ptr(), tuple(value.shape))
-        if alias not in copies:
-            copies[alias] = value.detach().clone()
-        out[key] = copies[alias]
-    return out
+    """A copy of ``model``'s state, tied weights copied once (``asyncrl.tied.copy_once``): a `qwen-tiny`
+    student's tied 151,936-row embedding and LM head are one tensor under two keys (half its state),
+    copied every step of the band search (``load_state_dict`` writes the one copy into the one parameter)."""
+    return copy_once(model.state_dict(), lambda v: v.detach().clone())
 
 
 def _bisect_band(
