@@ -296,3 +296,59 @@ def test_full_length_rollout_trains_in_a_plain_loop() -> None:
         loss.backward()
         opt.step()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
+def test_completion_logits_keep_only_completion_positions_same_values_and_gradient(arch: str) -> None:
+    """``records.completion_logits`` runs the LM head at the last T + 1 positions only
+    (``logits_to_keep``): the same aligned logits and parameter gradients as the full forward
+    sliced by ``align_logits``, left-padded prompts included; a model without the argument (a
+    user's, or behind a DDP-style wrapper) gets the full forward."""
+    model = _model(arch, seed=3)
+    ids, mask = _prompts()
+    out = HFEngine(model, TOK).generate(ids, mask, SamplingParams(max_new_tokens=5, temperature=1.0), seed=0)
+    comp, cmask = out["completion_ids"], out["completion_mask"]
+    assert records.keeps_logits(model)
+    head_rows: list[int] = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, o: head_rows.append(a[0].shape[1]))
+
+    def full(m: torch.nn.Module) -> torch.Tensor:
+        x = torch.cat([ids, comp], 1)
+        attn = torch.cat([mask, cmask], 1).long()
+        z = m(
+            input_ids=x, attention_mask=attn, position_ids=records.position_ids(attn), use_cache=False
+        ).logits
+        return records.align_logits(z, ids.shape[1])
+
+    grads = []
+    for fn in (lambda m: records.completion_logits(m, ids, mask, comp, cmask), full):
+        model.zero_grad()
+        z = fn(model)
+        assert z.shape == (len(PROMPTS), comp.shape[1], len(TOK))
+        (z.float().log_softmax(-1) * cmask[..., None]).sum().backward()
+        grads.append((z.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert head_rows == [comp.shape[1] + 1, ids.shape[1] + comp.shape[1]]  # kept rows, then the full forward
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=0)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+    class NoKeep(torch.nn.Module):  # a user model: the HF call without logits_to_keep
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    class DistributedDataParallel(torch.nn.Module):  # a wrapper's name: looked through to .module
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    assert not records.keeps_logits(NoKeep(model)) and records.keeps_logits(DistributedDataParallel(model))
+    for wrapped in (NoKeep(model), DistributedDataParallel(model)):
+        z = records.completion_logits(wrapped, ids, mask, comp, cmask)
+        torch.testing.assert_close(z.detach(), grads[1][0], atol=1e-5, rtol=0)

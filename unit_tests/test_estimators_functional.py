@@ -329,6 +329,71 @@ def test_chunked_gather_equals_unchunked_value_and_gradient(chunk: int) -> None:
     torch.testing.assert_close(_grad(est(chunk), z), _grad(est(0), z), atol=1e-12, rtol=0)
 
 
+def _log_tail_reference(z: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_logprobs_and_log_tail`` by plain autograd: full log-softmax, masked logsumexp."""
+    lp = torch.log_softmax(z, -1)
+    tail = torch.logsumexp(lp.scatter(-1, ids, -math.inf), -1).clamp(F.LOG_TAIL_FLOOR, 0.0)
+    return lp.gather(-1, ids), tail
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(0, 2**16),
+    st.sampled_from([0, 1, 2, 5]),
+    st.sampled_from([1, 3, 8]),
+    st.sampled_from([0.0, 30.0, 95.0, 900.0, 1200.0]),
+    st.sampled_from([f64, torch.float32]),
+)
+def test_gather_with_tail_value_and_gradient_match_autograd(
+    seed: int, chunk: int, k: int, gap: float, dtype: torch.dtype
+) -> None:
+    """The hand-written forward (one exp pass for both normalisers) and backward (one exp for π and
+    the tail softmax) against autograd in fp64, for tails from ordinary to below fp32's denormals
+    (``gap``: how far the off-support logits sit below the support's, in nats) and rows whose
+    support is the whole vocabulary (no tail: the floor, no gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 2, 5, 12
+    z = torch.randn(B, T, V, generator=g, dtype=f64) * 2
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
+    z = z - gap * torch.ones_like(z).scatter(-1, ids, 0.0)  # the tail sits `gap` nats lower
+    full = torch.arange(V).expand(1, 1, V)
+    w_lp, w_t = torch.randn(B, T, k, generator=g, dtype=f64), torch.randn(B, T, generator=g, dtype=f64)
+
+    def loss(fn, zz, ii):
+        lp, lt = fn(zz, ii)
+        return (lp * w_lp[..., : ii.shape[-1]]).sum() + (lt * w_t[:, : ii.shape[1]]).sum()
+
+    zd = z.to(dtype).to(f64)  # the values the low-precision run sees
+    got_z = z.to(dtype, copy=True).requires_grad_(True)
+    want_z = zd.clone().requires_grad_(True)
+    got = loss(lambda a, b: F.gather_logprobs_and_log_tail(a, b, chunk_size=chunk), got_z, ids)
+    want = loss(_log_tail_reference, want_z, ids)
+    got.backward()
+    want.backward()
+    tol = {"atol": 1e-9, "rtol": 1e-9} if dtype == f64 else {"atol": 1e-4, "rtol": 1e-4}
+    lp, lt = F.gather_logprobs_and_log_tail(got_z.detach(), ids, chunk_size=chunk)
+    ref_lp, ref_lt = _log_tail_reference(zd, ids)
+    torch.testing.assert_close(lp.double(), ref_lp, **tol)
+    torch.testing.assert_close(lt.double(), ref_lt, **tol)
+    torch.testing.assert_close(got_z.grad.double(), want_z.grad, **tol)
+    assert (lt > F.LOG_TAIL_FLOOR).all() if gap < 1000 else (lt == F.LOG_TAIL_FLOOR).all()
+    # the whole vocabulary as support: the tail is the floor and passes no gradient
+    whole = z[:1, :1].to(dtype, copy=True).requires_grad_(True)
+    lp_w, lt_w = F.gather_logprobs_and_log_tail(whole, full, chunk_size=chunk)
+    assert lt_w.item() == F.LOG_TAIL_FLOOR
+    (lt_w.sum() + lp_w[..., 0].sum()).backward()
+    torch.testing.assert_close(
+        whole.grad.double(), _grad(lambda a: torch.log_softmax(a, -1)[..., 0], whole.detach().double()), **tol
+    )
+
+
+def test_gather_with_tail_gradcheck() -> None:
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(2, 3, 7, generator=g, dtype=f64, requires_grad=True)
+    ids = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(6)]).view(2, 3, 3)
+    assert torch.autograd.gradcheck(lambda a: F.gather_logprobs_and_log_tail(a, ids, chunk_size=2), (z,))
+
+
 def test_gather_gradcheck_and_shapes() -> None:
     g = torch.Generator().manual_seed(5)
     z = torch.randn(2, 4, 6, dtype=f64, generator=g, requires_grad=True)

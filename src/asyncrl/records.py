@@ -233,12 +233,41 @@ def completion_logits(
 ) -> torch.Tensor:
     """One forward pass of a causal LM over prompt+completion; logits aligned to completions [B, T, V].
 
-    Padded completion positions still get logits (they are masked downstream).
+    Padded completion positions still get logits (they are masked downstream). The LM head runs
+    only at the ``T + 1`` last positions when the model takes transformers' ``logits_to_keep``
+    (``keeps_logits``): the prompt's other positions score nothing we use, and at a real
+    vocabulary their [B, P, V] logits (and, in the learner, their zero gradient) are most of the
+    forward's memory and time (chat-templated `qwen-tiny` prompts: P ~ 17 against T = 4).
     """
+    if prompt_ids.shape[1] < 1:
+        raise ValueError("prompt_len must be >= 1: the first completion token needs a preceding position")
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attn = torch.cat([prompt_mask.bool(), completion_mask.bool()], dim=1).long()
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False)
+    kw: dict[str, Any] = {"logits_to_keep": completion_ids.shape[1] + 1} if keeps_logits(model) else {}
+    out = model(
+        input_ids=input_ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=False, **kw
+    )
+    if kw:
+        return out.logits[:, :-1]  # positions P - 1 .. P + T - 2, as align_logits
     return align_logits(out.logits, prompt_ids.shape[1])
+
+
+_KEEPS_LOGITS: dict[Any, bool] = {}
+_WRAPPERS = ("DistributedDataParallel", "DeepSpeedEngine")
+
+
+def keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (or the module a DDP / DeepSpeed wrapper holds) takes transformers'
+    ``logits_to_keep`` (the LM head only at the last k positions); a user model may not."""
+    inner = model
+    while type(inner).__name__ in _WRAPPERS and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module  # their forward passes keyword arguments through
+    fn = type(inner).forward
+    if fn not in _KEEPS_LOGITS:
+        import inspect
+
+        _KEEPS_LOGITS[fn] = "logits_to_keep" in inspect.signature(fn).parameters
+    return _KEEPS_LOGITS[fn]
 
 
 # --- Ray Data <-> torch ----------------------------------------------------------------------

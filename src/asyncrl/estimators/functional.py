@@ -67,6 +67,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 #: log tail mass of an empty tail (the support is the whole vocabulary): e^-1000 is 0 in every
 #: float dtype, and a finite value keeps ``0 * (lt_w - lt_o)`` away from ``inf - inf``
 LOG_TAIL_FLOOR = -1000.0
+#: a tail sum (relative to the row's largest exp term) below which ``_GatherLogSoftmaxTail``
+#: recomputes the tail's normaliser shifted by its own maximum: fp32 denormals start at ~1.2e-38
+_TAIL_REDO = 1e-25
 
 
 def _log_mass_ceiling(dtype: torch.dtype) -> float:
@@ -138,12 +141,22 @@ class _GatherLogSoftmax(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for s in range(0, T, chunk):
             g = grad_out[:, s : s + chunk].to(cdtype)  # [B, c, K]
-            soft = logits[:, s : s + chunk].to(cdtype, copy=True)  # the one [B, c, V] temporary
-            soft.sub_(lse[:, s : s + chunk].unsqueeze(-1)).exp_()
+            soft = _exp_shifted(logits[:, s : s + chunk], lse[:, s : s + chunk], grad[:, s : s + chunk])
             soft.mul_(-g.sum(-1, keepdim=True))
             soft.scatter_add_(-1, ids[:, s : s + chunk], g)
-            grad[:, s : s + chunk] = soft
+            if soft.data_ptr() != grad[:, s : s + chunk].data_ptr():
+                grad[:, s : s + chunk] = soft
         return grad, None, None
+
+
+def _exp_shifted(z: torch.Tensor, shift: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """``exp(z - shift[..., None])`` in the compute dtype, written into ``into`` (a slice of the
+    gradient being built) when that is the compute dtype: two passes over a [B, c, V] chunk and no
+    temporary, where ``z.to(copy=True).sub_().exp_()`` then a copy into the gradient takes four."""
+    cdtype = shift.dtype
+    if into.dtype == cdtype and z.dtype == cdtype:
+        return torch.sub(z, shift.unsqueeze(-1), out=into).exp_()
+    return (z.to(cdtype) - shift.unsqueeze(-1)).exp_()
 
 
 def gather_logprobs(logits: torch.Tensor, ids: torch.Tensor, *, chunk_size: int = 0) -> torch.Tensor:
@@ -215,10 +228,21 @@ class _GatherLogSoftmaxTail(torch.autograd.Function):
         for s in range(0, T, chunk):
             z = logits[:, s : s + chunk].to(cdtype)
             ids_c = ids[:, s : s + chunk]
-            lse_c = torch.logsumexp(z, dim=-1)
+            # both log-normalisers from one exp pass: e = exp(z - max); lse = max + log Σ e, and
+            # the tail's = max + log Σ_{j∉S} e (S zeroed: a sum of positive terms, no cancellation)
+            top = z.amax(-1, keepdim=True)
+            e = torch.sub(z, top).exp_()  # the one [B, c, V] temporary
+            lse_c = top.squeeze(-1) + e.sum(-1).log()
+            tail_sum = e.scatter_(-1, ids_c, 0.0).sum(-1)
+            lse_t = top.squeeze(-1) + tail_sum.log()
+            # a tail below ~1e-25 of the row's largest term lives in denormals (or underflowed):
+            # those rows take the masked logsumexp, which shifts by the tail's own maximum
+            small = tail_sum < _TAIL_REDO
+            if bool(small.any()):
+                lse_t[small] = torch.logsumexp(z[small].scatter(-1, ids_c[small], -math.inf), dim=-1)
             lse[:, s : s + chunk] = lse_c
+            lse_tail[:, s : s + chunk] = lse_t
             out[:, s : s + chunk] = z.gather(-1, ids_c) - lse_c.unsqueeze(-1)
-            lse_tail[:, s : s + chunk] = torch.logsumexp(z.scatter(-1, ids_c, -math.inf), dim=-1)
         tail = (lse_tail - lse).clamp(LOG_TAIL_FLOOR, 0.0)
         ctx.save_for_backward(logits, ids, lse, lse_tail)
         ctx.chunk = chunk
@@ -240,16 +264,23 @@ class _GatherLogSoftmaxTail(torch.autograd.Function):
         for s in range(0, T, chunk):
             sl = slice(s, s + chunk)
             g = grad_out[:, sl].to(cdtype)  # [B, c, k]
-            gt = torch.where(live[:, sl], grad_tail[:, sl].to(cdtype), 0.0)  # [B, c]
+            live_c, lse_c, lt_c = live[:, sl], lse[:, sl], lse_tail[:, sl]
+            gt = torch.where(live_c, grad_tail[:, sl].to(cdtype), 0.0)  # [B, c]
+            head = -(g.sum(-1) + gt)  # the coefficient of π_j, every j
             ids_c = ids[:, sl]
-            z = logits[:, sl].to(cdtype)
-            soft = (z - lse[:, sl].unsqueeze(-1)).exp()
-            grad_c = soft * -(g.sum(-1) + gt).unsqueeze(-1)
+            # off S: head π_j + gt q_j = exp(z_j − lt) (head e^{lt − lse} + gt), both terms from one
+            # exp; shifting by the tail's normaliser keeps every off-S term <= 1 (lt <= lse). Without
+            # a live tail: head π_j = exp(z_j − lse) head.
+            shift = torch.where(live_c, lt_c, lse_c)
+            coef = torch.where(live_c, head * (lt_c - lse_c).exp() + gt, head)
+            grad_c = _exp_shifted(logits[:, sl], shift, grad[:, sl])
+            grad_c.mul_(coef.unsqueeze(-1))
+            # on S (where the shared exp may overflow): head π_j + g_j, π_j from the saved normaliser
+            pi_s = (logits[:, sl].gather(-1, ids_c).to(cdtype) - lse_c.unsqueeze(-1)).exp()
+            grad_c.scatter_(-1, ids_c, pi_s * head.unsqueeze(-1))
             grad_c.scatter_add_(-1, ids_c, g)
-            lt_c = torch.where(live[:, sl], lse_tail[:, sl], 0.0).unsqueeze(-1)
-            q = (z - lt_c).exp().scatter(-1, ids_c, 0.0)  # softmax over the tail (0 on S)
-            grad_c += gt.unsqueeze(-1) * torch.where(live[:, sl].unsqueeze(-1), q, 0.0)
-            grad[:, sl] = grad_c
+            if grad_c.data_ptr() != grad[:, sl].data_ptr():
+                grad[:, sl] = grad_c
         return grad, None, None
 
 
