@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -352,3 +353,42 @@ def test_completion_logits_keep_only_completion_positions_same_values_and_gradie
     for wrapped in (NoKeep(model), DistributedDataParallel(model)):
         z = records.completion_logits(wrapped, ids, mask, comp, cmask)
         torch.testing.assert_close(z.detach(), grads[1][0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("V", [20_000, 151_936])
+def test_blocked_inverse_cdf_draws_what_the_flat_cdf_draws(V: int) -> None:
+    """Large vocabularies sample through block sums (``_inverse_cdf_blocked``): at the same
+    uniforms the draws equal the flat float64 CDF's but where u falls within fp32 exp rounding
+    (~1e-8 of mass) of one of the V boundaries (about V x 1e-8 of draws), zero-probability tokens
+    (-inf logits, the padding of a last partial block) are never drawn, u at either end included,
+    and the draws follow the softmax."""
+    from asyncrl.engines.hf import _BLOCKED_FROM, _draw, _inverse_cdf_blocked
+
+    assert V >= _BLOCKED_FROM
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randn(6, V, generator=g) * 3
+    logits[:, ::7] = -math.inf  # impossible tokens, in every block
+    logits[1, V - 300 :] = -math.inf  # a row whose last blocks hold no mass
+    logits[2, :] = -math.inf
+    logits[2, [5, 130, V - 1]] = torch.tensor([0.0, 1.0, 2.0])  # mass in three blocks only
+    logp = torch.log_softmax(logits, -1)
+    u = torch.rand(6, 4000, generator=g, dtype=torch.float64)
+    u[:, 0], u[:, 1] = 0.0, 1.0 - 2.0**-53
+    got = _inverse_cdf_blocked(logp, u)
+    cdf = logp.double().exp().cumsum(-1)
+    flat = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_max_(V - 1)
+    assert (got != flat).float().mean() < max(2e-8 * V, 1e-4)
+    assert bool(torch.isfinite(logp.gather(-1, got)).all()) and int(got.max()) < V
+    assert got[2, 0] == 5 and got[2, 1] == V - 1
+
+    scipy_stats = pytest.importorskip("scipy.stats")
+    W = _BLOCKED_FROM + 100  # through _draw: log-softmax and all, on 2,000 rows of a smaller V
+    row = torch.full((1, W), -math.inf)
+    support = [3, 1000, W - 129, W - 2]
+    row[0, support] = torch.tensor([0.0, 0.5, 1.0, 1.5])
+    draws, lp = _draw(row.expand(2_000, W), 1.0, 8, torch.Generator().manual_seed(0))
+    p = torch.softmax(row[0], -1)
+    counts = [int((draws == i).sum()) for i in support]
+    assert sum(counts) == draws.numel()
+    assert scipy_stats.chisquare(counts, [float(p[i]) * draws.numel() for i in support]).pvalue > 1e-3
+    torch.testing.assert_close(lp, p.log()[draws])
