@@ -95,3 +95,31 @@ def test_overlap_ceiling_layouts_train_every_batch_once_in_order() -> None:
                 "rollouts_waiting",
             }
         assert all(0 <= v <= 1.05 for v in shares.values()), shares
+
+
+def test_an_interrupted_benchmarks_md_regeneration_keeps_every_section(tmp_path, monkeypatch) -> None:
+    """``--only`` rewrites the file after every section; until a regenerated section is done, its
+    old text and those after it stay in the file (a killed run used to leave only those before)."""
+    import make_benchmarks_md as md
+
+    a, b, c = md.BENCHES[:3]
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text(
+        f"# Benchmarks\n\nintro\n\n## {a.title}\n\nold a\n\n## {b.title}\n\nold b\n\n## {c.title}\n\nold c\n"
+    )
+
+    def interrupted(bench, args, work):
+        assert md.kept_sections(out, set()).keys() == {a.title, b.title, c.title}  # while it runs
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(md, "run_bench", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        md.main(["--only", b.key, "--out", str(out), "--cache-dir", str(tmp_path)])
+    kept = md.kept_sections(out, set())
+    assert list(kept) == [a.title, b.title, c.title] and "old b" in kept[b.title]
+
+    monkeypatch.setattr(md, "run_bench", lambda bench, args, work: (f"## {bench.title}\n\nnew b\n", True))
+    assert md.main(["--only", b.key, "--out", str(out), "--cache-dir", str(tmp_path)]) == 0
+    kept = md.kept_sections(out, set())
+    assert list(kept) == [a.title, b.title, c.title]
+    assert "new b" in kept[b.title] and "old a" in kept[a.title] and "old c" in kept[c.title]

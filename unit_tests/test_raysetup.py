@@ -4,6 +4,8 @@ environment asyncrl gives Ray's worker processes)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
 
@@ -106,16 +108,48 @@ def test_the_pinned_ray_has_what_the_patch_replaces():
     assert inspect.getsource(ses).count("time.sleep(") == 1
 
 
-def test_runtime_env_carries_the_hook_unless_disabled():
+def test_runtime_env_carries_the_hook_unless_disabled(monkeypatch):
+    for key in raysetup.TORCH_ENV:
+        monkeypatch.delenv(key, raising=False)
     env = raysetup.runtime_env({"A": "1"}, 0.05)
     assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
     assert env["env_vars"] == {
         "A": "1",
+        **raysetup.TORCH_ENV,
         **raysetup.WORKER_ENV,
         raysetup.TICK_ENV: "0.05",
         "RAY_DATA_METADATA_PREFETCH_ON_THREAD": "0",
     }
-    assert raysetup.runtime_env({"A": "1"}, None) == {"env_vars": {"A": "1", **raysetup.WORKER_ENV}}
+    assert raysetup.runtime_env({"A": "1"}, None) == {
+        "env_vars": {"A": "1", **raysetup.TORCH_ENV, **raysetup.WORKER_ENV}
+    }
+
+
+def test_workers_get_torchs_allocator_setting_and_the_drivers_own_value_wins(monkeypatch):
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert raysetup.runtime_env({}, None)["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "1"
+    raysetup.apply_env()  # the driver: set where unset
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    raysetup.apply_env()
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert raysetup.runtime_env({}, None)["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_the_pinned_torch_takes_the_huge_page_path_for_large_tensors_with_torch_env() -> None:
+    """What ``TORCH_ENV`` relies on: with THP_MEM_ALLOC_ENABLE=1 torch's CPU allocator page-aligns
+    a tensor of >= 2 MiB (its huge-page path, which then madvises MADV_HUGEPAGE; otherwise 64-byte
+    alignment), read at the process's first allocation."""
+    code = (
+        "import torch; xs = [torch.empty((4 << 20) + 64 * i, dtype=torch.uint8) for i in range(4)]; "
+        "print(sum(x.data_ptr() % 4096 for x in xs))"
+    )
+    run = lambda value: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], env={**os.environ, "THP_MEM_ALLOC_ENABLE": value},
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert run("1") == "0"
+    assert run("0") != "0"  # glibc's mapping plus its header, 64-byte aligned: the check can fail
 
 
 def test_workers_never_auto_start_a_ray_instance_and_get_the_tick() -> None:

@@ -103,3 +103,41 @@ def test_parity_check_detects_a_different_divergence() -> None:
     fkl = float(asyncrl_forward_kl(student, teacher, batch).detach())
     rkl = float(trl_forward_kl(student, teacher, batch, beta=1.0).detach())
     assert abs(fkl - rkl) / fkl > 0.05
+
+
+def _trl_trainer(tokenizer, rows, tmp_path):
+    from datasets import Dataset
+    from trl import DistillationConfig, DistillationTrainer
+
+    from asyncrl.workloads.tokenizer import QWEN_MODEL_VOCAB
+
+    vocab = QWEN_MODEL_VOCAB if len(tokenizer) > 4096 else len(tokenizer)
+    arch = "qwen3" if vocab > 4096 else "llama"
+    model = build_model(ModelSpec(arch, hidden=16, layers=1, heads=2, intermediate=32), vocab, 0)
+    args = DistillationConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=len(rows), use_cpu=True,
+        report_to="none", disable_tqdm=True, activation_checkpointing=False, bf16=False,
+    )  # fmt: skip
+    return DistillationTrainer(
+        model=model, teacher_model=model, args=args, processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": rows}),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["char", "qwen"])
+def test_vs_trl_prompts_trl_with_asyncrl_prompt_ids(kind: str, tmp_path) -> None:
+    """vs_trl's TRL rows make TRL prompt the student with asyncrl's ids: the raw text with <bos>
+    (char), ChatML's user turn + assistant header (qwen); raw text at qwen is caught."""
+    import vs_trl
+
+    from asyncrl.workloads.tasks import prompt_token_ids
+    from asyncrl.workloads.tokenizer import qwen_tokenizer
+
+    tok = TOK if kind == "char" else qwen_tokenizer()
+    prompts = _addition_prompts(4)
+    rows = vs_trl.trl_rows(tok, prompts)
+    vs_trl.check_trl_prompts(_trl_trainer(tok, rows, tmp_path), tok, rows, prompts)
+    if kind == "qwen":
+        assert prompt_token_ids(tok, prompts[:1])[0][0] == tok.convert_tokens_to_ids("<|im_start|>")
+        with pytest.raises(SystemExit, match="TRL tokenizes prompt 0"):
+            vs_trl.check_trl_prompts(_trl_trainer(tok, prompts, tmp_path), tok, prompts, prompts)
