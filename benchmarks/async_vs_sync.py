@@ -34,6 +34,7 @@ from stage_times import Stages, describe, measure_stage_times, throughput_bound
 
 from asyncrl.config import load_config
 from asyncrl.pipeline import run
+from asyncrl.raysetup import apply_env
 
 COLOCATE = "pipeline.colocate=true"  # (b2): rollouts in the learner process, lock-step's own layout
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_async.yaml"
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU cores of the limit row")
     ap.add_argument("--json", default=None, help="write the measured figures to this JSON file")
     args = ap.parse_args(argv)
+    apply_env()  # a run's process environment (TORCH_ENV: torch's allocator), before any tensor
 
     from asyncrl.workloads.pretrain import pretrain
 

@@ -47,6 +47,7 @@ from asyncrl.config import RunConfig, load_config
 from asyncrl.coordinator import pack_weights, publishable_state, unpack_weights
 from asyncrl.estimators import build as build_estimator
 from asyncrl.plan import load_examples, make_plan, prompt_blocks
+from asyncrl.raysetup import apply_env
 from asyncrl.stages import batch_seed, pad_rollout
 from asyncrl.workloads.tasks import prompt_token_ids
 
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--extra", nargs="*", default=[], help="key=value overrides of the run config")
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = ap.parse_args(argv)
+    apply_env()  # a run's process environment (TORCH_ENV: torch's allocator), before any tensor
     cfg = load_config(
         args.config,
         [f"workload.cache_dir={args.cache_dir}", "pipeline.torch_threads=1", *args.extra],

@@ -126,7 +126,8 @@ def test_runtime_env_carries_the_hook_unless_disabled(monkeypatch):
 
 
 def test_workers_get_torchs_allocator_setting_and_the_drivers_own_value_wins(monkeypatch):
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "")  # recorded, so apply_env's value is undone after
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     assert raysetup.runtime_env({}, None)["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "1"
     raysetup.apply_env()  # the driver: set where unset
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"

@@ -52,9 +52,10 @@ EXECUTOR_STATE = "ray.data._internal.execution.streaming_executor_state"
 #: glibc serves an allocation above its mmap threshold (at most 32 MiB) with a fresh mapping that
 #: faults in on first touch, 4 KiB at a time unless on huge pages, and is unmapped on free; at a
 #: real vocabulary every [B, T, V] tensor is one (136 MiB at B=32, T=7, V=151,936), several per
-#: learner step. Measured on 2 cores: allocating one 136 MiB result 80-86 -> 13-15 ms, the
-#: qwen-tiny learner step about 2x faster. Torch reads it at its first CPU allocation, so it must
-#: be set before that: ``apply_env`` (entry points, before any tensor) and ``runtime_env`` (workers).
+#: learner step. Measured on 2 cores: allocating one 136 MiB result 73-89 -> 13-17 ms, the
+#: qwen-tiny learner step 1.6-1.7x faster (``benchmarks/stage_times.py``). Torch reads it at its
+#: first CPU allocation, so it must be set before that: ``apply_env`` (entry points, before any
+#: tensor) and ``runtime_env`` (workers).
 TORCH_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 #: environment of every process of a run: no usage stats, no token auth file, no hub access
