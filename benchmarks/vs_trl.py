@@ -37,6 +37,9 @@ seed 0, ``--steps`` optimizer steps:
                rollout thread (its own engine, the published weights) generates and scores block k+1
                while the learner's thread trains block k; torch releases the GIL in its kernels
   lag2_colocated  the same with max_lag=2
+  lag2_colocated_mb2  lag2_colocated with train.minibatches=2: the rollout thread generates and scores
+               2B prompts at once (per-op overhead amortised over twice the rows), the learner takes
+               2 optimizer steps of B from each batch (lags <= 3, as lag2_fused2_mb2)
   lag1_colocated_top16  lag1_colocated on the demo's top-16 cache (tail bucket): what asyncrl runs at
                a real vocabulary, where TRL's full-vocabulary teacher logits are the cost
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
@@ -172,6 +175,12 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=2`, dense forward KL, `colocate` (a rollout thread beside the learner's step)",
         "pipeline",
         ["pipeline.max_lag=2", "pipeline.colocate=true", *DENSE],
+        1,
+    ),
+    "lag2_colocated_mb2": (
+        "asyncrl `max_lag=2`, dense forward KL, `colocate`, rollout batch 2B in 2 optimizer steps",
+        "pipeline",
+        ["pipeline.max_lag=2", "pipeline.colocate=true", "train.minibatches=2", *DENSE],
         1,
     ),
     "lag1_colocated_top16": (

@@ -194,3 +194,71 @@ def test_load_tokenizer_defers_to_autotokenizer_where_it_may_differ(tmp_path, mo
     real = AutoTokenizer.from_pretrained
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: calls.append(a) or real(*a, **k))
     assert load_tokenizer(d).get_vocab() == TOK.get_vocab() and len(calls) == 1
+
+
+# --- shared_tokenizer: one read-only instance per directory and process -------------------------------
+def test_shared_tokenizer_is_one_instance_per_tokenizer_until_its_files_change(tmp_path) -> None:
+    import json
+
+    from transformers.models.auto import tokenization_auto
+
+    from asyncrl.workloads.checkpoints import load_tokenizer, shared_tokenizer
+
+    d = _saved(tmp_path / "a", TOK, "llama")
+    first = shared_tokenizer(d)
+    assert shared_tokenizer(str(d)) is first and shared_tokenizer(d / ".." / "a") is first
+    assert load_tokenizer(d) is not first  # the public loader still gives a private copy
+    # a teacher saved with the same tokenizer (other weights, other config): the same instance
+    twin = _saved(tmp_path / "b", TOK, "llama")
+    (twin / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    assert shared_tokenizer(twin) is first
+    assert shared_tokenizer(_saved(tmp_path / "c", TOK, "gpt2")) is not first  # another model type
+    assert shared_tokenizer(_saved(tmp_path / "q", _qwen(), "qwen3")) is not first
+    (d / "model.safetensors").write_bytes(b"new weights")  # weights are not the tokenizer's
+    assert shared_tokenizer(d) is first
+    (d / "chat_template.jinja").write_text("{{ 'x' }}")
+    resaved = shared_tokenizer(d)  # re-saved in place: loaded afresh, with the new file's content
+    assert resaved is not first and resaved.chat_template == "{{ 'x' }}"
+    assert shared_tokenizer(twin) is first
+    # a directory AutoTokenizer decides for is keyed by its path: no twin shares it
+    overridden = next(iter(tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS))
+    o1, o2 = _saved(tmp_path / "o1", TOK, overridden), _saved(tmp_path / "o2", TOK, overridden)
+    assert shared_tokenizer(o1) is shared_tokenizer(o1) and shared_tokenizer(o2) is not shared_tokenizer(o1)
+
+
+def test_asyncrls_encoding_leaves_a_shared_backend_as_it_was(tmp_path, monkeypatch) -> None:
+    """What makes sharing one tokenizer across the parts (and threads) of a process safe: the
+    encodings and decodings asyncrl does never set padding or truncation on the Rust backend
+    (the only calls that take it mutably), so concurrent use cannot change another's result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrl.workloads.checkpoints import shared_tokenizer
+    from asyncrl.workloads.prompts import render_chat
+    from asyncrl.workloads.tasks import prompt_token_ids
+
+    for name, tok in (("char", TOK), ("qwen", _qwen())):
+        shared = shared_tokenizer(_saved(tmp_path / name, tok, "qwen3" if name == "qwen" else "llama"))
+        prompts = [f"{i}+{i * 7}=" for i in range(64)]
+        expected = prompt_token_ids(tok, prompts)
+        strategies = set()  # what every encode asked of the backend
+        real = shared.set_truncation_and_padding
+
+        def spy(*a, real=real, strategies=strategies, **k):
+            strategies.add((k["padding_strategy"].value, k["truncation_strategy"].value))
+            return real(*a, **k)
+
+        monkeypatch.setattr(shared, "set_truncation_and_padding", spy)
+
+        def encode(_: int, shared=shared, prompts=prompts) -> list[list[int]]:
+            ids = prompt_token_ids(shared, prompts)
+            shared.batch_decode(ids, skip_special_tokens=True)
+            shared([p[::-1] for p in prompts], add_special_tokens=False)
+            if shared.chat_template:
+                render_chat(shared, [{"role": "user", "content": prompts[0]}], "test")
+            return ids
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(encode, range(16)))
+        assert all(r == expected for r in results)
+        assert strategies == {("do_not_pad", "do_not_truncate")}
+        assert shared.backend_tokenizer.padding is None and shared.backend_tokenizer.truncation is None

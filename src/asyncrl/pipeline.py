@@ -399,11 +399,11 @@ def fresh_blocks(
 ) -> list[dict[str, np.ndarray]]:
     """A built-in task's prompt blocks of ``train_ex`` (``prompt_blocks``), without the ledger's ``skip``."""
     from asyncrl.plan import prompt_blocks
-    from asyncrl.workloads.checkpoints import load_tokenizer
+    from asyncrl.workloads.checkpoints import shared_tokenizer
 
     cfg = plan.cfg
     width = cfg.workload.max_prompt_tokens or plan.max_prompt_len
-    return prompt_blocks(cfg, train_ex, load_tokenizer(plan.models.student_dir), width, skip)
+    return prompt_blocks(cfg, train_ex, shared_tokenizer(plan.models.student_dir), width, skip)
 
 
 #: the PolicyStore's books, rewritten on every change (a resumed driver continues them)

@@ -381,10 +381,10 @@ def check_prompts(cfg: RunConfig, models: ModelPaths | None, *, source: PromptSo
     train, evals = load_examples(cfg)
     if models is None:
         return 0
-    from asyncrl.workloads.checkpoints import context_length, load_tokenizer
+    from asyncrl.workloads.checkpoints import context_length, shared_tokenizer
     from asyncrl.workloads.tasks import prompt_token_ids
 
-    tokenizer = load_tokenizer(models.student_dir)
+    tokenizer = shared_tokenizer(models.student_dir)
     dirs = [d for d in (models.student_dir, models.teacher_dir) if d]
     contexts = [c for c in (context_length(d) for d in dirs) if c]
     context = min(contexts) if contexts else None

@@ -84,11 +84,11 @@ class Generate:
     ) -> None:
         if model is not None:  # a learner worker's own model (``pipeline.colocate``): no weights to load
             from asyncrl.engines.hf import HFEngine
-            from asyncrl.workloads.checkpoints import load_tokenizer
+            from asyncrl.workloads.checkpoints import shared_tokenizer
 
             # the model's device and dtype are the learner's; of the options only decode applies
             decode = (engine_options or {}).get("decode", "auto")
-            self.engine = HFEngine(model, load_tokenizer(student_dir), decode=decode)
+            self.engine = HFEngine(model, shared_tokenizer(student_dir), decode=decode)
         else:
             torch.set_num_threads(torch_threads)
             try:
@@ -192,12 +192,12 @@ class ScoreReward:
     """Reward stage for RL (and task accuracy telemetry in OPD): decode, verify, score."""
 
     def __init__(self, *, task: str, tokenizer_dir: str, faults: Faults = NO_FAULTS) -> None:
-        from asyncrl.workloads.checkpoints import load_tokenizer
+        from asyncrl.workloads.checkpoints import shared_tokenizer
         from asyncrl.workloads.tasks import get_task, reward_function
 
         self.task = get_task(task)
         self.reward = reward_function(self.task)
-        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.tokenizer = shared_tokenizer(tokenizer_dir)  # decodes only
         self.faults = faults
         self.blocks = 0
 

@@ -347,9 +347,9 @@ class StreamBlocks:
         skip_ids: np.ndarray | None,
         read_timeout_s: float | None = None,
     ) -> None:
-        from asyncrl.workloads.checkpoints import load_tokenizer
+        from asyncrl.workloads.checkpoints import shared_tokenizer
 
-        tokenizer = load_tokenizer(tokenizer_dir)
+        tokenizer = shared_tokenizer(tokenizer_dir)
         self.stream = FileStream(
             source,
             tokenizer,

@@ -117,11 +117,14 @@ class HFEngine:
     ) -> HFEngine:
         """Load model + tokenizer from an HF checkpoint directory on local disk (no hub access).
 
-        ``torch_threads`` sets ``torch.set_num_threads`` (one engine per Ray actor).
+        ``torch_threads`` sets ``torch.set_num_threads`` (one engine per Ray actor). The tokenizer
+        is the process's shared read-only one (``shared_tokenizer``: the engine only reads its
+        pad/EOS ids and decodes); give a private ``load_tokenizer`` copy to ``HFEngine(...)`` to
+        change it.
         """
         from transformers import AutoModelForCausalLM
 
-        from asyncrl.workloads.checkpoints import load_tokenizer
+        from asyncrl.workloads.checkpoints import shared_tokenizer
 
         p = checkpoint_dir(path)
         if torch_threads is not None:
@@ -134,7 +137,7 @@ class HFEngine:
             kw["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(p), **kw).to(device)
         try:
-            tokenizer = load_tokenizer(str(p))
+            tokenizer = shared_tokenizer(p)
         except (OSError, ValueError) as err:
             raise FileNotFoundError(
                 f"{str(p)!r} has no loadable tokenizer ({err}); save one with tokenizer.save_pretrained(dir)"

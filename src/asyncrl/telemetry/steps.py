@@ -165,7 +165,7 @@ class StepLogger:
         if self.rank0:
             from asyncrl.telemetry.memory import MemoryProbe
             from asyncrl.telemetry.sinks import RunWriter
-            from asyncrl.workloads.checkpoints import load_tokenizer
+            from asyncrl.workloads.checkpoints import shared_tokenizer
             from asyncrl.workloads.evaluate import Evaluator
 
             self.writer = RunWriter(
@@ -177,7 +177,7 @@ class StepLogger:
                 samples_flush_s=cfg.telemetry.samples_flush_s,
             )
             self.memory = MemoryProbe(cfg.telemetry.memory_every_s)
-            tokenizer = load_tokenizer(spec.student_dir)
+            tokenizer = shared_tokenizer(spec.student_dir)
             self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
         self.eval_time = 0.0
         self.t_run0 = self.t_prev = time.perf_counter()

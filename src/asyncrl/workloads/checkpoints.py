@@ -10,10 +10,12 @@ place, so an interrupted save never looks complete.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,7 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")  # shards
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
@@ -120,6 +123,65 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+
+
+#: ``shared_tokenizer``'s per-process cache: directory signature -> tokenizer
+_SHARED_TOKENIZERS: dict[tuple[Any, ...], Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_tokenizer(path: str | Path) -> Any:
+    """``load_tokenizer(path)``, loaded once per process and shared by every caller: read-only.
+
+    Why: one process of a run builds several parts that each need a tokenizer of the pair (a
+    generator, the reward scorer, the step logger, the pair check, the prompt plan). At a real
+    vocabulary every load parses and copies the whole BPE model (Qwen's 151k tokens: 1.2-1.3 s
+    per load after the first), so a learner process that loaded it four times spent seconds of
+    its start-up on copies of one object.
+
+    Sharing is safe because asyncrl's own code only decodes and encodes without padding or
+    truncation: neither changes the Rust backend (``set_truncation_and_padding`` leaves it as
+    is when both are off), and the backend's reads take shared borrows, so threads of one
+    process (the colocated rollout thread beside the learner) may use it at once. A caller that
+    pads, truncates, adds tokens or sets attributes must use ``load_tokenizer`` (a private
+    copy). Directories whose tokenizer files are byte-identical share one instance (a teacher
+    and a student saved with the same tokenizer) where ``load_tokenizer`` reads nothing else
+    (``GENERIC_TOKENIZER``); any other directory is keyed by its path and its files' size, mtime
+    and inode. Either way a directory re-saved in place loads afresh."""
+    p = Path(path).resolve()
+    try:
+        key = _tokenizer_key(p)
+    except OSError:  # not a readable directory: let load_tokenizer raise its own error
+        return load_tokenizer(p)
+    with _SHARED_LOCK:  # one load per key even when two threads ask at once
+        tok = _SHARED_TOKENIZERS.get(key)
+        if tok is None:
+            tok = _SHARED_TOKENIZERS[key] = load_tokenizer(p)
+    return tok
+
+
+#: files of a checkpoint directory that ``load_tokenizer``'s ``GENERIC_TOKENIZER`` path does not
+#: read (of config.json only the model type, which the key holds)
+_NOT_TOKENIZER_FILES = frozenset({"config.json", "generation_config.json", META_FILE})
+
+
+def _tokenizer_key(p: Path) -> tuple[Any, ...]:
+    """``shared_tokenizer``'s cache key for the resolved directory ``p`` (OSError if unreadable)."""
+    entries = sorted(
+        (e.name, e.stat())
+        for e in os.scandir(p)
+        if e.is_file() and e.name not in _WEIGHT_FILES and not e.name.endswith(_WEIGHT_SUFFIXES)
+    )
+    if not _generic_tokenizer(p):  # AutoTokenizer may read anything there (remote code too)
+        return ("path", str(p), tuple((n, st.st_size, st.st_mtime_ns, st.st_ino) for n, st in entries))
+    digest = hashlib.blake2b(digest_size=16)
+    for name, _ in entries:
+        if name not in _NOT_TOKENIZER_FILES:
+            digest.update(f"{name}\0".encode())
+            digest.update((p / name).read_bytes())
+            digest.update(b"\0")
+    model_cfg = json.loads((p / "config.json").read_text())
+    return ("generic", digest.hexdigest(), model_cfg.get("model_type"), model_cfg.get("model_name"))
 
 
 def _generic_tokenizer(p: Path) -> bool:
@@ -240,7 +302,7 @@ def check_pair(teacher_dir: str | Path, student_dir: str | Path, *, hint: str = 
         if bad:
             raise CheckpointError(f"{role} checkpoint {str(d)!r}: {bad[0]}; re-save it with save_pretrained")
         try:
-            toks[role] = load_tokenizer(str(d))
+            toks[role] = shared_tokenizer(d)
         except Exception as err:  # tokenizer files that do not parse: name the directory
             reason = " ".join(str(err).split())[:200]
             raise CheckpointError(

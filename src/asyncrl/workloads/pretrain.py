@@ -96,7 +96,7 @@ def workload_tokenizer(
     """The tokenizer a run uses: ``student_path``'s, else the cached pretrained student's, else
     (not pretrained yet) the one the preset's models will be saved with. Loads nothing but
     tokenizer files, so configs can be resolved before any model exists."""
-    from asyncrl.workloads.checkpoints import load_tokenizer
+    from asyncrl.workloads.checkpoints import shared_tokenizer
 
     if student_path is not None:
         return _load_tokenizer(student_path, "workload.student_path")
@@ -104,7 +104,7 @@ def workload_tokenizer(
     preset_obj = get_preset(preset)
     student = run_dir_for(task_name, preset_obj.name, seed, cache_dir) / "student"
     if not missing_parts(student):
-        return load_tokenizer(str(student))
+        return shared_tokenizer(student)
     return TOKENIZERS.get(preset_obj.tokenizer).build()
 
 
@@ -112,7 +112,7 @@ def _load_tokenizer(path: str | Path, what: str) -> Any:
     """``path``'s tokenizer; a path that is not a directory with tokenizer files is a ConfigError
     naming the field (``what``) and the fix."""
     from asyncrl.configurable import ConfigError
-    from asyncrl.workloads.checkpoints import load_tokenizer
+    from asyncrl.workloads.checkpoints import shared_tokenizer
 
     if not str(path).strip() or not Path(path).is_dir():
         raise ConfigError(
@@ -122,7 +122,7 @@ def _load_tokenizer(path: str | Path, what: str) -> Any:
             "sampling.max_new_tokens to a number",
         )
     try:
-        return load_tokenizer(str(path))
+        return shared_tokenizer(path)
     except (OSError, ValueError) as err:
         raise ConfigError(
             what,
