@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import check_contract, tiny_config
 
 from asyncrl import records as R
 from asyncrl.pipeline import run
@@ -144,6 +144,26 @@ def test_minibatches_count_versions_and_keep_sync_parity(ray_local, tiny_pair, t
     metrics = [m for m in read_metrics(result.run_dir) if "loss" in m]
     assert [m["step"] for m in metrics] == list(range(1, 9))
     np.testing.assert_allclose([m["loss"] for m in metrics], plain_loop_losses(cfg), atol=1e-5, rtol=0)
+
+
+def test_one_machine_config_rollout_thread_with_minibatches(ray_local, small_pair, tmp_path):
+    """The shipped one-machine layout (``opd_one_machine.yaml``): a rollout thread beside the step
+    (``colocate``, ``max_lag=2``) *and* two optimizer steps per rollout batch. The combination keeps
+    the contract (each sample once, a batch's first step within ``max_lag`` of its behavior version,
+    admission knew the training version, batches in stream order, every step logged), trains the
+    second mini-batch one version later, and learns."""
+    steps = ("train.steps=40", "train.eval_every=20")
+    cfg = tiny_config(tmp_path / "one", *steps, config="opd_one_machine.yaml")
+    assert cfg.pipeline.colocate and cfg.train.minibatches == 2 and cfg.pipeline.max_lag == 2
+    result = run(cfg)
+    check_contract(result, steps=40, minibatches=2)
+    samples = read_samples(result.run_dir)
+    second = samples[samples["learner_version"] % 2 == 1]
+    assert len(second) == len(samples) // 2 and (second["lag"] >= 1).all()
+    assert samples["lag"].max() <= cfg.pipeline.max_lag + 1
+    s = result.summary
+    assert s["eval_accuracy_final"] > s["eval_accuracy_initial"], s
+    assert s["ledger_balanced"], s
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 SHIPPED = (
     "grpo.yaml",
     "opd_async.yaml",
+    "opd_one_machine.yaml",
     "opd_reverse_kl_mc.yaml",
     "opd_sync.yaml",
     "opd_tiny.yaml",
@@ -49,6 +50,10 @@ def test_each_config_is_what_its_name_says() -> None:
     assert rkl.estimator.name == "reverse_kl_mc" and rkl.sampling.mc_samples >= 2
     assert rkl.estimator.options["advantage"] == "online"  # the "recompute" fix
     assert cfg["opd_tiny.yaml"].workload.preset == "tiny"
+    one = cfg["opd_one_machine.yaml"]  # async in one process, optimizer steps of the demo's size
+    assert one.pipeline.colocate and one.pipeline.max_lag >= 1 and one.train.minibatches >= 2
+    assert one.train.batch_size // one.train.minibatches == asyn.train.batch_size
+    assert one.train.steps == asyn.train.steps and one.estimator == asyn.estimator and one.cache == asyn.cache
     for c in cfg.values():
         if c.algo == "opd":
             assert c.estimator.name != "grpo"
