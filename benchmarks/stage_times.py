@@ -49,6 +49,7 @@ from asyncrl.estimators import build as build_estimator
 from asyncrl.plan import load_examples, make_plan, prompt_blocks
 from asyncrl.raysetup import apply_env
 from asyncrl.stages import batch_seed, pad_rollout
+from asyncrl.step import autocast
 from asyncrl.workloads.tasks import prompt_token_ids
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "configs" / "opd_async.yaml"
@@ -82,9 +83,10 @@ class Stages:
             student_dir, dtype=torch.float32, local_files_only=True
         )
         self.teacher = AutoModelForCausalLM.from_pretrained(
-            teacher_dir, dtype=torch.float32, local_files_only=True
+            teacher_dir, dtype=getattr(torch, cfg.pipeline.teacher_dtype), local_files_only=True
         ).eval()
-        self.engine = ENGINES.get(cfg.pipeline.engine).from_pretrained(student_dir)
+        # the generator's engine options (e.g. dtype=bfloat16), as a generator actor gets them
+        self.engine = ENGINES.get(cfg.pipeline.engine).from_pretrained(student_dir, **plan.engine_options)
         train_ex, self.eval_examples = load_examples(cfg)
         width = max(map(len, prompt_token_ids(self.tokenizer, [e.prompt for e in train_ex[:2048]])))
         self.blocks = prompt_blocks(cfg, train_ex, self.tokenizer, width)
@@ -124,13 +126,14 @@ class Stages:
         for group in self.optimizer.param_groups:
             group["lr"] = scheduled_lr(tc, step)
         batch = R.trim_to_longest(batch)
-        logits = R.completion_logits(
-            self.student,
-            batch[R.PROMPT_IDS],
-            batch[R.PROMPT_MASK],
-            batch[R.COMPLETION_IDS],
-            batch[R.COMPLETION_MASK],
-        )
+        with autocast("cpu", tc.precision):  # train.precision, as the learner's loss_step
+            logits = R.completion_logits(
+                self.student,
+                batch[R.PROMPT_IDS],
+                batch[R.PROMPT_MASK],
+                batch[R.COMPLETION_IDS],
+                batch[R.COMPLETION_MASK],
+            )
         out = self.estimator(logits, batch)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()

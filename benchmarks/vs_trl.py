@@ -40,6 +40,11 @@ seed 0, ``--steps`` optimizer steps:
   lag2_colocated_mb2  lag2_colocated with train.minibatches=2: the rollout thread generates and scores
                2B prompts at once (per-op overhead amortised over twice the rows), the learner takes
                2 optimizer steps of B from each batch (lags <= 3, as lag2_fused2_mb2)
+  trl_bf16     TRL with ``bf16=True``: accelerate's bf16 autocast (mixed precision, fp32 weights)
+  plain_bf16   the plain loop with every part in bf16: the learner's autocast (``train.precision=bf16``),
+               the teacher (``pipeline.teacher_dtype=bfloat16``) and the engine
+               (``pipeline.engine_options.dtype=bfloat16``); fp32 weights, optimizer and loss math
+  lag2_colocated_mb2_bf16  lag2_colocated_mb2 with every part in bf16, as plain_bf16
   lag1_colocated_top16  lag1_colocated on the demo's top-16 cache (tail bucket): what asyncrl runs at
                a real vocabulary, where TRL's full-vocabulary teacher logits are the cost
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
@@ -71,9 +76,10 @@ What TRL is configured to do, checked in trl 1.16.0's source (site-packages/trl)
     its gradient is ``p_s - p_t`` (L341). Reduced as sum / number of valid completion tokens
     (L212 with ``num_items_in_batch``, L1597): the token mean asyncrl uses too.
   * activation_checkpointing=False (TRL's default is True, which re-runs forwards: off, as asyncrl has
-    none, to compare equal work); bf16=False; TRL's default optimizer (``adamw_torch_fused``); only
-    the learning-rate schedule is replaced (``create_scheduler``) by asyncrl's warmup law, because
-    HF's ``constant_with_warmup`` starts at lr 0 (k / W), which would waste TRL's first step.
+    none, to compare equal work); bf16 only in the bf16 systems (``train.precision``); TRL's default
+    optimizer (``adamw_torch_fused``); only the learning-rate schedule is replaced
+    (``create_scheduler``) by asyncrl's warmup law, because HF's ``constant_with_warmup`` starts at
+    lr 0 (k / W), which would waste TRL's first step.
   ``benchmarks/trl_parity.py`` checks that TRL's loss and asyncrl's dense forward KL agree on the
   first batch of this run (same weights, teacher and completions): the "parity" line below.
 
@@ -141,11 +147,25 @@ REGIMES: dict[str, dict[str, Any]] = {
     },
 }
 DENSE = ["estimator.options.dense=true"]
+#: mixed precision, every part: the learner's bf16 autocast, the teacher and the rollout engine in bf16
+#: (TRL: ``bf16=True``, accelerate's autocast around its model's forward)
+BF16 = [
+    "train.precision=bf16",
+    "pipeline.teacher_dtype=bfloat16",
+    "pipeline.engine_options={dtype: bfloat16}",
+]
 #: name -> (label, kind, run-config overrides, torch threads or None for torch's default)
 SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
     "trl": ("TRL DistillationTrainer, torch's default threads", "trl", DENSE, None),
     "trl_1t": ("TRL DistillationTrainer, 1 thread", "trl", DENSE, 1),
+    "trl_bf16": (
+        "TRL DistillationTrainer, `bf16=True`, torch's default threads",
+        "trl",
+        [*DENSE, *BF16],
+        None,
+    ),
     "plain": ("asyncrl plain single-process loop, dense forward KL", "plain", DENSE, 1),
+    "plain_bf16": ("asyncrl plain single-process loop, dense forward KL, bf16", "plain", [*DENSE, *BF16], 1),
     "lag0_dense": ("asyncrl `max_lag=0`, dense forward KL", "pipeline", ["pipeline.max_lag=0", *DENSE], 1),
     "lag0_fused": (
         "asyncrl `max_lag=0`, dense forward KL, `fuse_scoring`",
@@ -181,6 +201,12 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=2`, dense forward KL, `colocate`, rollout batch 2B in 2 optimizer steps",
         "pipeline",
         ["pipeline.max_lag=2", "pipeline.colocate=true", "train.minibatches=2", *DENSE],
+        1,
+    ),
+    "lag2_colocated_mb2_bf16": (
+        "asyncrl `max_lag=2`, dense forward KL, `colocate`, rollout batch 2B in 2 optimizer steps, bf16",
+        "pipeline",
+        ["pipeline.max_lag=2", "pipeline.colocate=true", "train.minibatches=2", *DENSE, *BF16],
         1,
     ),
     "lag1_colocated_top16": (
@@ -362,7 +388,7 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
         max_completion_length=cfg.sampling.max_new_tokens,
         shuffle_dataset=False,
         activation_checkpointing=False,  # alias gradient_checkpointing, which TRL defaults to True
-        bf16=False,
+        bf16=tc.precision == "bf16",
         use_cpu=True,
         seed=cfg.seed,
         logging_steps=10**9,
@@ -492,7 +518,7 @@ def child_stages(spec: dict[str, Any]) -> dict[str, Any]:
     from asyncrl import records as R
 
     out: dict[str, Any] = {"limits": {}}
-    for key, more in (("dense", DENSE), ("top16", [])):
+    for key, more in (("dense", DENSE), ("top16", []), ("dense_bf16", [*DENSE, *BF16])):
         cfg = run_config(spec, ["pipeline.torch_threads=1", *more])
         times = measure_stage_times(cfg, repeats=spec["stage_repeats"], warmup=2)
         out["limits"][key] = {
@@ -585,7 +611,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {row['wall_s'] / ref['wall_s']:.2f} | {row['first_step_s']:.1f} s "
             f"| {row['exact_match']:.3f}; {exact_match_spread(report['rounds'][name])} |"
         )
-    names = {"dense": "dense forward KL", "top16": "top-16 forward KL"}
+    names = {
+        "dense": "dense forward KL",
+        "top16": "top-16 forward KL",
+        "dense_bf16": "dense forward KL, bf16",
+    }
     cores = report["settings"]["cores"]
     for key, lim in report["stages"]["limits"].items():
         lines.append(

@@ -146,15 +146,31 @@ def test_minibatches_count_versions_and_keep_sync_parity(ray_local, tiny_pair, t
     np.testing.assert_allclose([m["loss"] for m in metrics], plain_loop_losses(cfg), atol=1e-5, rtol=0)
 
 
-def test_one_machine_config_rollout_thread_with_minibatches(ray_local, small_pair, tmp_path):
+#: every part in bf16: the rollout thread's engine, the teacher and the learner's forward (autocast)
+BF16 = (
+    "train.precision=bf16",
+    "pipeline.teacher_dtype=bfloat16",
+    "pipeline.engine_options={dtype: bfloat16}",
+)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_machine_config_rollout_thread_with_minibatches(ray_local, small_pair, tmp_path, precision):
     """The shipped one-machine layout (``opd_one_machine.yaml``): a rollout thread beside the step
     (``colocate``, ``max_lag=2``) *and* two optimizer steps per rollout batch. The combination keeps
     the contract (each sample once, a batch's first step within ``max_lag`` of its behavior version,
     admission knew the training version, batches in stream order, every step logged), trains the
-    second mini-batch one version later, and learns."""
-    steps = ("train.steps=40", "train.eval_every=20")
-    cfg = tiny_config(tmp_path / "one", *steps, config="opd_one_machine.yaml")
+    second mini-batch one version later, and learns; also with every part in bf16 (engine, teacher,
+    the learner's autocast), whose behavior log-probabilities then come from a bf16 student while
+    the learner's weights stay fp32. Learning over 40 steps is read from the KL (last 10 steps below
+    the first 10) and the mean of the evals every 10 steps (above the initial one): single evals on
+    256 prompts move by 0.05-0.1 between neighbouring checkpoints (measured, both precisions: the same
+    KL at step 40, 0.520, and a last eval 0.043 apart)."""
+    steps = ("train.steps=40", "train.eval_every=10")
+    extra = BF16 if precision == "bf16" else ()
+    cfg = tiny_config(tmp_path / "one", *steps, *extra, config="opd_one_machine.yaml")
     assert cfg.pipeline.colocate and cfg.train.minibatches == 2 and cfg.pipeline.max_lag == 2
+    assert cfg.train.precision == precision
     result = run(cfg)
     check_contract(result, steps=40, minibatches=2)
     samples = read_samples(result.run_dir)
@@ -162,7 +178,12 @@ def test_one_machine_config_rollout_thread_with_minibatches(ray_local, small_pai
     assert len(second) == len(samples) // 2 and (second["lag"] >= 1).all()
     assert samples["lag"].max() <= cfg.pipeline.max_lag + 1
     s = result.summary
-    assert s["eval_accuracy_final"] > s["eval_accuracy_initial"], s
+    metrics = read_metrics(result.run_dir)
+    evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    assert len(evals) == 5 and evals[0] == s["eval_accuracy_initial"]
+    assert np.mean(evals[1:]) > evals[0], evals
+    kl = [m["est/kl_value"] for m in metrics if "est/kl_value" in m]
+    assert np.mean(kl[-10:]) < np.mean(kl[:10]), "distillation did not reduce KL(teacher || student)"
     assert s["ledger_balanced"], s
 
 

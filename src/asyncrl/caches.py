@@ -481,6 +481,8 @@ def score_teacher(
     Runs under ``no_grad`` through ``records.completion_logits`` (the single place the
     position shift happens, so teacher and student logits are aligned the same way). Put the
     teacher in eval mode. The cache's ``temperature`` (the rollout's τ) divides the logits.
+    A half-precision teacher (``pipeline.teacher_dtype``) has its logits cast to fp32 first, so
+    every cache column is computed (log-softmax, top-k mass, tail) and stored in fp32.
     ``seed`` feeds caches that sample (``teacher_mc``); inputs are moved
     to the model's device and outputs stay there.
 
@@ -504,6 +506,8 @@ def score_teacher(
         logits = R.completion_logits(
             teacher_model, tb[R.PROMPT_IDS], tb[R.PROMPT_MASK], tb[R.COMPLETION_IDS], tb[R.COMPLETION_MASK]
         )
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
         record = cache.build(logits, tb, seed=seed)
     return {k: R.pad_to(v, length, 0) for k, v in record.items()}
 

@@ -94,6 +94,11 @@ class TrainConfig:
     )
     checkpoint_every: int = field(0, help="Ray Train checkpoint every N steps; 0 = only at the end")
     logits_chunk: int = field(0, help="sequence chunk for log-softmax gathers; 0 = no chunking")
+    precision: Literal["fp32", "bf16"] = field(
+        "fp32",
+        help="the learner's forward: fp32, or bf16 autocast (weights, gradients, optimizer state and the "
+        "estimator's log-softmax stay fp32; matmuls run in bf16: mixed-precision training)",
+    )
     max_nonfinite_steps: int = field(
         3,
         help="abort the run after this many optimizer steps in a row with a non-finite loss or gradient "
@@ -137,6 +142,12 @@ class PipelineConfig:
     engine_options: dict[str, Any] = field(
         default_factory=dict,
         help="keyword options of the engine's from_pretrained (hf: decode=auto|fast|hf; vllm: max_model_len)",
+    )
+    teacher_dtype: Literal["float32", "bfloat16"] = field(
+        "float32",
+        help="dtype the teacher scores in (its cache columns are computed in fp32 from these logits); "
+        "bfloat16 is how inference engines serve teachers (the rollout engine's own dtype: "
+        "engine_options.dtype)",
     )
     generators: int = field(1, help="generation actors in the Ray Data actor pool")
     teacher_scorers: int = field(1, help="teacher-scoring actors in the Ray Data actor pool")

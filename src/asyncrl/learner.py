@@ -187,7 +187,10 @@ class Learner:
             estimator=build_estimator(cfg.estimator.name, dict(cfg.estimator.options)),
             controllers=build_chain(spec.controller_specs),
             options=StepOptions(
-                grad_clip=tc.grad_clip, logits_chunk=tc.logits_chunk, temperature=cfg.sampling.temperature
+                grad_clip=tc.grad_clip,
+                logits_chunk=tc.logits_chunk,
+                temperature=cfg.sampling.temperature,
+                precision=tc.precision,
             ),
             comm=self.comm,
         )

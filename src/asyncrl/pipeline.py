@@ -245,6 +245,7 @@ def stage_specs(plan: RunPlan, namespace: str, store_name: str, *, stream: int |
         seed=cfg.seed,
         torch_threads=pc.torch_threads,
         device=pc.device,
+        dtype=pc.teacher_dtype,
         faults=faults,
         dense_reference=dense_reference(cfg),
     )

@@ -244,13 +244,17 @@ class ScoreTeacher:
         seed: int,
         torch_threads: int = 1,
         device: str = "cpu",
+        dtype: str = "float32",
         faults: Faults = NO_FAULTS,
         dense_reference: dict[str, int] | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(torch_threads)
-        model = AutoModelForCausalLM.from_pretrained(teacher_dir, local_files_only=True)
+        # pipeline.teacher_dtype: the forward's dtype; score_teacher builds the cache in fp32
+        model = AutoModelForCausalLM.from_pretrained(
+            teacher_dir, local_files_only=True, dtype=getattr(torch, dtype)
+        )
         self.model = model.to(device).eval()  # score_teacher moves each batch to the model's device
         self.cache = CACHES.get(cache)(**cache_options)
         self.reward = ScoreReward(task=task, tokenizer_dir=teacher_dir)
