@@ -45,6 +45,7 @@ seed 0, ``--steps`` optimizer steps:
                the teacher (``pipeline.teacher_dtype=bfloat16``) and the engine
                (``pipeline.engine_options.dtype=bfloat16``); fp32 weights, optimizer and loss math
   lag2_colocated_mb2_bf16  lag2_colocated_mb2 with every part in bf16, as plain_bf16
+  lag1_colocated_top16_bf16  lag1_colocated_top16 with every part in bf16 (the qwen regime's)
   lag1_colocated_top16  lag1_colocated on the demo's top-16 cache (tail bucket): what asyncrl runs at
                a real vocabulary, where TRL's full-vocabulary teacher logits are the cost
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
@@ -143,7 +144,16 @@ REGIMES: dict[str, dict[str, Any]] = {
         "task": "addition",
         "max_new_tokens": 6,
         "preset": "qwen-tiny",
-        "systems": ["trl", "plain", "lag0_colocated", "lag1_colocated", "lag1_colocated_top16", "lag2_top16"],
+        "systems": [
+            "trl",
+            "trl_bf16",
+            "plain",
+            "lag0_colocated",
+            "lag1_colocated",
+            "lag1_colocated_top16",
+            "lag1_colocated_top16_bf16",
+            "lag2_top16",
+        ],
     },
 }
 DENSE = ["estimator.options.dense=true"]
@@ -213,6 +223,12 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=1`, top-16 forward KL, `colocate` (a rollout thread beside the learner's step)",
         "pipeline",
         ["pipeline.max_lag=1", "pipeline.colocate=true"],
+        1,
+    ),
+    "lag1_colocated_top16_bf16": (
+        "asyncrl `max_lag=1`, top-16 forward KL, `colocate` (a rollout thread beside the step), bf16",
+        "pipeline",
+        ["pipeline.max_lag=1", "pipeline.colocate=true", *BF16],
         1,
     ),
     "lag2_dense": ("asyncrl `max_lag=2`, dense forward KL", "pipeline", ["pipeline.max_lag=2", *DENSE], 1),
