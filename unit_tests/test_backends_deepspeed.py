@@ -16,6 +16,7 @@ import torch
 from asyncrl.backends import TorchBackend, make_backend, scheduled_lr
 from asyncrl.checkpoint import read_state, write_state
 from asyncrl.config import TrainConfig
+from asyncrl.step import autocast
 
 pytestmark = pytest.mark.deepspeed
 
@@ -74,12 +75,16 @@ def batch(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def train_steps(backend, tc: TrainConfig, steps: range, scales=None) -> list[tuple[float, float, float]]:
-    """(loss, grad norm, applied lr) per step, driven exactly like the learner does."""
+def train_steps(
+    backend, tc: TrainConfig, steps: range, scales=None, precision: str = "fp32"
+) -> list[tuple[float, float, float]]:
+    """(loss, grad norm, applied lr) per step, driven exactly like the learner does (the forward
+    under ``train.precision``'s autocast, as ``loss_step`` runs it)."""
     out = []
     for s in steps:
         b = batch(s)
-        loss = backend.model(**b, labels=b["input_ids"]).loss
+        with autocast("cpu", precision):
+            loss = backend.model(**b, labels=b["input_ids"]).loss
         backend.backward(loss)
         norm = backend.clip_and_norm(tc.grad_clip)
         applied = backend.step(s, 1.0 if scales is None else scales[s])
@@ -125,6 +130,22 @@ def test_matches_torch_backend_with_clipping(stage):
     assert all(n > tc.grad_clip for _, n, _ in got)  # the clip mattered
     # the pre-step norm is the one DeepSpeed clipped with (the engine exposes it only after step)
     assert got[-1][1] == pytest.approx(float(ds.engine.get_global_grad_norm()), rel=1e-6)
+
+
+def test_bf16_autocast_through_the_engine_matches_the_torch_backend():
+    """``train.precision=bf16`` with ZeRO: the learner's autocast wraps the DeepSpeed engine's forward;
+    its fp32 partitions, gradients and optimizer step see what the torch backend's see (the same bf16
+    forward), and the run stays off its fp32 trajectory (the forward did run in bf16)."""
+    tc = TrainConfig(batch_size=B, lr=1e-2, warmup_steps=2, grad_clip=0.5, precision="bf16")
+    ds = ds_backend(tc, tiny_model(), 2)
+    got = train_steps(ds, tc, range(4), precision="bf16")
+    want = train_steps(TorchBackend(tiny_model(), tc, 1), tc, range(4), precision="bf16")
+    fp32 = train_steps(TorchBackend(tiny_model(), tc, 1), tc, range(4))
+    for (l_ds, n_ds, _), (l_t, n_t, _) in zip(got, want):
+        assert l_ds == pytest.approx(l_t, abs=1e-4)
+        assert n_ds == pytest.approx(n_t, rel=1e-3)
+    assert got[-1][0] != fp32[-1][0]
+    assert all(p.dtype == torch.float32 for p in ds.module.parameters())
 
 
 def test_checkpoint_round_trip_continues_identically(tmp_path):
