@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,13 @@ from asyncrl.telemetry.sinks import read_metrics
 from asyncrl.telemetry.summary import read_samples
 
 pytestmark = pytest.mark.ray
+
+
+def ray_actor_classes() -> Counter:
+    """Every actor this Ray instance has had (alive or dead), counted by class."""
+    from ray._private import state
+
+    return Counter(a["ActorClassName"] for a in state.actors().values())
 
 
 def plain_loop_losses(cfg) -> list[float]:
@@ -171,8 +180,17 @@ def test_one_machine_config_rollout_thread_with_minibatches(ray_local, small_pai
     cfg = tiny_config(tmp_path / "one", *steps, *extra, config="opd_one_machine.yaml")
     assert cfg.pipeline.colocate and cfg.train.minibatches == 2 and cfg.pipeline.max_lag == 2
     assert cfg.train.precision == precision
+    before = ray_actor_classes()
     result = run(cfg)
     check_contract(result, steps=40, minibatches=2)
+    # a local instance, one learner worker: Ray Train started no placement-group cleaner (none on
+    # this instance at all: every run here is local) and no idle DatasetManager (asyncrl.raytrain),
+    # and neither it nor the learner's Ray Data stream an AutoscalingCoordinator (a named singleton:
+    # counted only where no earlier test's driver-side Ray Data made one; asyncrl.raysetup)
+    started = ray_actor_classes() - before
+    assert {"TrainController", "RayTrainWorker"} <= set(started), started
+    assert not started["DatasetManager"] and not ray_actor_classes()["PlacementGroupCleaner"], started
+    assert not started["_AutoscalingCoordinatorActor"], started
     samples = read_samples(result.run_dir)
     second = samples[samples["learner_version"] % 2 == 1]
     assert len(second) == len(samples) // 2 and (second["lag"] >= 1).all()

@@ -195,3 +195,39 @@ def test_the_pinned_ray_train_reads_the_variables_of_the_local_env() -> None:
     from ray.train.v2._internal import constants
 
     assert constants.ENABLE_PREEMPTION_WATCHER_ENV_VAR in raysetup.LOCAL_RAY_ENV
+
+
+def test_local_cluster_autoscaler_asks_for_nothing_and_budgets_the_whole_instance(monkeypatch) -> None:
+    import ray
+    from ray.data._internal.cluster_autoscaler import ClusterAutoscaler
+
+    resources = {"CPU": 4.0, "memory": 8e9, "object_store_memory": 2e9}
+    monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
+    scaler = raysetup.local_cluster_autoscaler("topology", "resource manager", "context", execution_id="x")
+    assert isinstance(scaler, ClusterAutoscaler)
+    total = scaler.get_total_resources()
+    assert (total.cpu, total.gpu, total.memory, total.object_store_memory) == (4.0, 0.0, 8e9, 2e9)
+    scaler.try_trigger_scaling()  # no coordinator, no autoscaler: nothing to ask
+    scaler.on_executor_shutdown()
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_worker_of_a_local_instance_gets_the_local_cluster_autoscaler(local) -> None:
+    """``setup_worker`` in a fresh process (Ray Data not yet imported), as a Ray worker runs it:
+    on a local instance (``LOCAL_RAY_MARKER``) Ray Data's executor creates the local autoscaler, and
+    the pinned executor still has the name the patch replaces (else the import fails loudly)."""
+    code = (
+        "from asyncrl import raysetup; raysetup.setup_worker(); "
+        "from ray.data._internal.execution import streaming_executor as se; "
+        "print(se.create_cluster_autoscaler is raysetup.local_cluster_autoscaler)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != raysetup.LOCAL_RAY_MARKER}
+    if local:
+        env[raysetup.LOCAL_RAY_MARKER] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(local)
+
+
+def test_patch_local_autoscaler_fails_loudly_on_an_unknown_ray():
+    with pytest.raises(RuntimeError, match=r"pin ray==2\.60\.0"):
+        raysetup.patch_local_autoscaler(types.ModuleType("not_the_executor"))

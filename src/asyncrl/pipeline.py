@@ -77,13 +77,15 @@ class RunResult:
 def ray_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     """The ``runtime_env`` of the Ray instance a run starts or joins (``asyncrl.raysetup``):
     ``RAY_ENV`` and the console's quiet settings; on a Ray instance the run starts itself (no
-    ``pipeline.ray_address``) also ``LOCAL_RAY_ENV``, except a variable set in this process."""
-    from asyncrl.raysetup import LOCAL_RAY_ENV, runtime_env
+    ``pipeline.ray_address``) also ``LOCAL_RAY_ENV``, except a variable set in this process, and
+    ``LOCAL_RAY_MARKER``."""
+    from asyncrl.raysetup import LOCAL_RAY_ENV, LOCAL_RAY_MARKER, runtime_env
     from asyncrl.telemetry import console
 
     env_vars = {**RAY_ENV, **console.quiet_env()}
     if not cfg.pipeline.ray_address:
         env_vars |= {k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}
+        env_vars[LOCAL_RAY_MARKER] = "1"  # asyncrl.raytrain.is_local: no autoscaler, stops with the run
     return runtime_env(env_vars, cfg.pipeline.data_tick_s)
 
 
@@ -498,6 +500,7 @@ def import_run_modules() -> None:
 
     for name in (
         "ray.train.torch",
+        "asyncrl.raytrain",
         "asyncrl.learner",
         "asyncrl.coordinator",
         "asyncrl.telemetry.summary",
@@ -542,12 +545,13 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     run_dir = Path(cfg.run_dir)
     from ray.train import DataConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as TrainRunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from asyncrl import checkpoint
     from asyncrl.coordinator import PolicyStore
     from asyncrl.learner import LearnerSpec, train_loop_per_worker
     from asyncrl.plan import check_cpus, check_gpus, kept_versions
+    from asyncrl.raytrain import Trainer, is_local
     from asyncrl.rollouts import StreamFailed
     from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import write_summary
@@ -586,8 +590,9 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             stream=stream if single else None,
             colocated=stage_specs(plan, namespace, store_name) if pc.colocate else None,
         )
-        trainer = TorchTrainer(
+        trainer = Trainer(
             train_loop_per_worker,
+            local=is_local(),
             train_loop_config={"spec": spec},
             scaling_config=ScalingConfig(
                 num_workers=pc.learner_workers,
