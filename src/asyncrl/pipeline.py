@@ -5,7 +5,8 @@
       -> map_batches(Generate, actor pool)      admitted by the PolicyStore in block order
       -> map_batches(ScoreTeacher | ScoreReward, actor pool)
          (pipeline.fuse_scoring: one map_batches(GenerateAndScore) does both per block)
-      -> Ray Train TorchTrainer (train_loop_per_worker in asyncrl.learner), blocks in the same order
+      -> Ray Train TorchTrainer (asyncrl.raytrain.Trainer: less Ray Train's helper processes a local
+         run cannot use; train_loop_per_worker in asyncrl.learner), blocks in the same order
            rank 0 publishes weights after every optimizer step and releases each rollout batch
 
 ``pipeline.colocate`` (strict on-policy): the stream carries the prompt blocks only, and each learner
@@ -27,7 +28,8 @@ tasks waited for admission; cause not pinned down, so one it stays, 2026-12-01),
 ``prefetch_batches=0`` (lock-step deadlocks otherwise), no shard locality (deadlocks with
 small blocks), and with one learner worker the executor runs inside that worker, which skips
 the OutputSplitter hop: that worker builds the stream itself (``LearnerSpec.stream``), so no
-Ray Train DatasetManager process has to start (and import torch) before the stream can.
+Ray Train DatasetManager process has to start (and import torch) before the stream can; and
+``asyncrl.raytrain.Trainer`` starts none for a trainer without datasets.
 
 Faults (``README.md`` "Reliability"): a dead generator or scorer actor is restarted by Ray Data
 and its block re-run (a generator's under the same admission); a dead learner worker makes Ray
