@@ -2,7 +2,7 @@
 
 Ray Train v2 (Ray 2.60) starts, before the first learner worker runs a line of the train function,
 a controller actor and, from it, up to four helper actors, each a Python process that imports Ray
-(1.2-1.7 s of CPU each, measured on 2 cores while the worker imports torch):
+(5.4 CPU-s for three of them in one 2026-12-01 run, README "Known issues"):
 
 - an **autoscaling coordinator** (``FixedScalingPolicy.after_controller_start``): the controller
   ``ray.get``s its first resource request, so its whole process start is on the path to the first
