@@ -102,7 +102,7 @@ def small_pair():
 
 @pytest.fixture(scope="session")
 def qwen_pair():
-    """The `qwen-tiny` pair (Qwen's real vocabulary); see README for its pretraining time."""
+    """The `qwen-tiny` pair (Qwen's real vocabulary); see docs/tasks.md for its pretraining time."""
     return pretrained("qwen_pair")
 
 

@@ -184,9 +184,9 @@ def test_one_machine_config_rollout_thread_with_minibatches(ray_local, small_pai
     result = run(cfg)
     check_contract(result, steps=40, minibatches=2)
     # a local instance, one learner worker: Ray Train started no placement-group cleaner (none on
-    # this instance at all: every run here is local) and no idle DatasetManager (asyncrl.raytrain),
-    # and neither it nor the learner's Ray Data stream an AutoscalingCoordinator (a named singleton:
-    # counted only where no earlier test's driver-side Ray Data made one; asyncrl.raysetup)
+    # this instance at all: every run here is local) and no idle DatasetManager, and neither it nor
+    # the learner's Ray Data stream an AutoscalingCoordinator (a named singleton: counted only where
+    # no earlier test's driver-side Ray Data made one): patches of asyncrl.ray_internals
     started = ray_actor_classes() - before
     assert {"TrainController", "RayTrainWorker"} <= set(started), started
     assert not started["DatasetManager"] and not ray_actor_classes()["PlacementGroupCleaner"], started

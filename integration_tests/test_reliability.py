@@ -213,7 +213,7 @@ def test_kill_9_of_the_driver_then_the_same_command_resumes(tiny_pair, tmp_path)
 
 def test_soak_two_minutes(tiny_pair, tmp_path):
     """The CI soak: ``scripts/soak.py --steps 40`` (every fault kind, generator slowdowns, a driver
-    kill, memory bounds); the 30-minute variant is documented in README "Reliability"."""
+    kill, memory bounds); the 30-minute variant is documented in docs/reliability.md."""
     done = subprocess.run(
         [
             sys.executable,

@@ -1,26 +1,37 @@
-"""Regenerate EXPERIMENTS.md and its plots (docs/experiments/*.png) from the example sweeps' outputs.
+"""Regenerate EXPERIMENTS.md and its plots (docs/experiments/*.png) from the committed evidence.
 
     asyncrl pretrain --preset small
-    for s in kl_direction_x_lag cache_finiteness async_grpo lr_x_lag; do
+    for s in kl_direction_x_lag cache_finiteness async_grpo lr_x_lag \
+             recompute_vs_stabilisers s_eta_opd s_eta_grpo accuracy_vs_wall_time; do
         asyncrl sweep examples/sweeps/$s.yaml                 # resumable: finished cells are not rerun
     done
-    python scripts/gen_experiments.py                         # EXPERIMENTS.md + docs/experiments/*.png
-    python scripts/gen_experiments.py --sweeps-root /path/to/sweeps   # outputs written elsewhere
+    python scripts/gen_experiments.py --export-from runs/sweeps   # runs/sweeps/<s> -> experiments/data/<s>
+    python scripts/frozen_theta.py ...                        # cache finiteness at frozen θ (its docstring)
+    python scripts/gen_experiments.py                         # EXPERIMENTS.md + plots, from experiments/data
+    python scripts/gen_experiments.py --check                 # regenerate elsewhere, compare byte for byte
+
+The document is a function of ``experiments/data/`` alone (tracked; ``asyncrl.telemetry.evidence``
+writes it from the sweeps' run directories, which are not): nothing is rerun to regenerate it, and
+``--check`` proves the committed document and plots are what the committed data gives.
 
 Every experiment tests one published claim and ends in a one-line verdict, *reproduced*, *not
 reproduced* or *inconclusive at this scale*, decided by the rule printed beside it (fixed before the
 numbers were read; ``Verdict`` below). Tables give the mean and the standard error over seeds
 (``se = s / sqrt(n)``); a difference counts only beyond two standard errors of the difference.
-Inputs are each sweep's ``sweep.json`` and its cells' ``summary.json`` and ``metrics.jsonl``.
+Round-2 experiments (``ROUND2``) decide from seed-paired differences with 95% t intervals
+(``asyncrl.telemetry.stats``): a straddling interval is "inconclusive", never "no effect" (``RULES``).
+A final accuracy of 0.0 is a value; a run the numerics guard aborted counts with accuracy 0.0 (its
+last logged evaluation is kept in the data); only a run that failed (raised) or never ran is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import itertools
-import json
 import math
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +41,17 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from asyncrl.telemetry import names as N
-from asyncrl.telemetry.sinks import read_metrics, read_summary
+from asyncrl.telemetry.evidence import export_sweep, load_evidence
+from asyncrl.telemetry.stats import INCONCLUSIVE as CI_STRADDLES
+from asyncrl.telemetry.stats import (
+    Interval,
+    cluster_bootstrap_ratio,
+    decide,
+    paired_difference,
+)
 
 REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "experiments" / "data"
 REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive at this scale"
 DPI = 80
 
@@ -44,6 +63,7 @@ class Run:
     seed: int
     summary: dict[str, Any]
     metrics: list[dict[str, Any]]
+    outcome: str = N.STATUS_COMPLETED
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         pts = [
@@ -77,26 +97,32 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def load_sweep(root: Path, name: str) -> Sweep | None:
-    """The finished cells of sweep ``name`` under ``root`` (None if it never ran)."""
-    path = root / name
-    manifest = path / "sweep.json"
-    if not manifest.exists():
+def load_data(data: Path, name: str) -> Sweep | None:
+    """The committed evidence of sweep ``name`` under ``data`` (None if it never ran): finished cells
+    (completed, or aborted by the numerics guard: both count) as runs; failed and pending ones counted."""
+    ev = load_evidence(data / name)
+    if ev is None:
         return None
-    doc = json.loads(manifest.read_text())
     runs, pending, cpu = [], 0, 0.0
-    for cell in doc["cells"]:
-        run_dir = Path(cell["run_dir"])
-        if not run_dir.is_absolute():
-            run_dir = path / "runs" / cell["key"]
-        summary = read_summary(run_dir) if run_dir.exists() else None
-        if summary is None or summary.get("status") == N.STATUS_FAILED:  # rerun by the next `asyncrl sweep`
+    for r in ev.runs:
+        if not r.finished:
             pending += 1
             continue
-        settings = {k: _number(v) for k, v in cell["settings"].items()}
-        runs.append(Run(settings, int(cell["seed"]), summary, read_metrics(run_dir)))
-        cpu += float(summary.get("wall_time_s") or 0.0)
-    return Sweep(name, path, runs, pending, cpu)
+        summary = {**r.figures, "status": r.outcome}
+        runs.append(Run({k: _number(v) for k, v in r.settings.items()}, r.seed, summary, r.steps, r.outcome))
+        wall = r.figures.get("wall_time_s")
+        cpu += float(wall) if isinstance(wall, int | float) and math.isfinite(wall) else 0.0
+    return Sweep(name, data / name, runs, pending, cpu)
+
+
+def load_sweep(root: Path, name: str, data: Path | None = None) -> Sweep | None:
+    """Export the sweep ``root/name`` (a sweep's output directory) to ``data/name`` (default: beside it,
+    ``root/name/evidence``) and read it back: what ``--export-from`` does, one sweep at a time."""
+    if not (root / name / "sweep.json").exists():
+        return None
+    out = (data / name) if data is not None else (root / name / "evidence")
+    export_sweep(root / name, out)
+    return load_data(out.parent, out.name) if data is None else load_data(data, name)
 
 
 def _number(v: Any) -> Any:
@@ -125,6 +151,22 @@ class Stat:
         return other.mean - self.mean > 2 * math.hypot(self.se, other.se)
 
 
+def probe_ratio(runs: Sequence[Run], key: str, *, one_sided: bool = False) -> Interval:
+    """Σ ``key`` / Σ ``gradref/ref_sq`` over every probe of every run, with a bootstrap over seeds."""
+    clusters = [
+        ([m[key] for m in r.metrics if key in m and N.GRADREF_REF_SQ in m],
+         [m[N.GRADREF_REF_SQ] for m in r.metrics if key in m and N.GRADREF_REF_SQ in m])
+        for r in runs
+    ]  # fmt: skip
+    return cluster_bootstrap_ratio(clusters, level=LEVEL, one_sided=one_sided)
+
+
+def as_stat(iv: Interval) -> Stat:
+    """An interval drawn as an error bar: the estimate ± half the interval's width / 1.96."""
+    half = (iv.hi - iv.lo) / 2 if math.isfinite(iv.hi - iv.lo) else math.nan
+    return Stat(iv.estimate, half / 1.96, iv.n)
+
+
 def stat(values: Iterable[float]) -> Stat:
     v = np.array([x for x in values if x is not None and math.isfinite(x)], float)
     if not len(v):
@@ -133,8 +175,15 @@ def stat(values: Iterable[float]) -> Stat:
     return Stat(float(v.mean()), se, len(v))
 
 
+def figure(r: Run, key: str) -> float:
+    """A summary figure as a float: 0.0 is a value; only an absent figure is NaN."""
+    value = r.summary.get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+
+
 def acc_final(r: Run) -> float:
-    return float(r.summary.get("eval_accuracy_final") or math.nan)
+    """Final exact match; a run the numerics guard aborted has no usable policy at its budget: 0.0."""
+    return 0.0 if r.outcome == N.STATUS_ABORTED else figure(r, "eval_accuracy_final")
 
 
 def acc_gain(r: Run) -> float:
@@ -142,7 +191,7 @@ def acc_gain(r: Run) -> float:
 
 
 def acc_initial(r: Run) -> float:
-    return float(r.summary.get("eval_accuracy_initial") or math.nan)
+    return figure(r, "eval_accuracy_initial")
 
 
 # --- the document ---------------------------------------------------------------------------------------
@@ -168,10 +217,12 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
 
 
 def save(fig: Figure, out_dir: Path, stem: str) -> str:
+    """Write ``stem.png`` without metadata that varies (no software version, no date): the same data
+    gives the same bytes. The returned link is relative to the repository (``docs/experiments/...``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{stem}.png"
-    fig.savefig(path, dpi=DPI)
-    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})
+    return f"docs/experiments/{stem}.png"
 
 
 def errorbar_panel(ax: Any, xs: Sequence[float], stats: Sequence[Stat], label: str, **kw: Any) -> None:
@@ -366,9 +417,12 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
         if fam is None:
             continue
         runs = sweep.select(variant=variant)
+        bias = probe_ratio(runs, N.GRADREF_BIAS_SQ)
         rows[fam] = {
-            "bias": stat(r.mean(N.GRADREF_BIAS_SQ_REL) for r in runs),
-            "noise": stat(r.mean(N.GRADREF_NOISE_REL) for r in runs),
+            "bias": as_stat(bias),
+            "bias_ci": bias,
+            "bias_upper": probe_ratio(runs, N.GRADREF_BIAS_SQ, one_sided=True),
+            "noise": as_stat(probe_ratio(runs, N.GRADREF_NOISE_SQ)),
             "cos": stat(r.mean(N.GRADREF_COS) for r in runs),
             "acc": stat(acc_final(r) for r in runs),
         }
@@ -378,20 +432,16 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
         if len(ks) < 2:
             parts[f"{CACHE_FAMILIES[fam]} biased"] = None
             continue
-        small, large = rows[(fam, ks[0])]["bias"], rows[(fam, ks[-1])]["bias"]
+        small, large = rows[(fam, ks[0])], rows[(fam, ks[-1])]
         parts[f"{CACHE_FAMILIES[fam]}: biased at k={ks[0]}, less at k={ks[-1]}"] = (
-            small.mean > 2 * small.se and large.below(small)
+            small["bias_upper"].lo > 0 and large["bias_ci"].hi < small["bias_ci"].lo
         )
     for fam in ("reverse_mc_m", "forward_mc_m"):
         ms = sorted(m for f, m in rows if f == fam)
         if len(ms) < 2:
             parts[f"{CACHE_FAMILIES[fam]} unbiased, variance ~ 1/m"] = None
             continue
-        unbiased = all(
-            abs(rows[(fam, m)]["bias"].mean)
-            <= max(2 * rows[(fam, m)]["bias"].se, 0.1 * rows[(fam, m)]["noise"].mean)
-            for m in ms
-        )
+        unbiased = all(rows[(fam, m)]["bias_upper"].hi < BIAS_TOL for m in ms)
         slope = float(np.polyfit(np.log(ms), np.log([rows[(fam, m)]["noise"].mean for m in ms]), 1)[0])
         parts[f"{CACHE_FAMILIES[fam]}: unbiased"] = unbiased
         parts[f"{CACHE_FAMILIES[fam]}: noise ~ m^{slope:.2f} (1/m: slope in [-1.25, -0.75])"] = (
@@ -400,14 +450,14 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
     verdict = _verdict(parts)
     body = [
         "Per estimator and cache size: squared bias and noise variance of the gradient relative to "
-        "|g|², cosine to the exact dense-KL gradient (means over the probes of each run, every 10 steps), "
-        "and the final exact match:",
+        "|g|² (ratios of sums over the probes of every seed, ± the seed-bootstrap interval's half-width / "
+        "1.96), cosine to the exact dense-KL gradient (mean over probes), and the final exact match:",
         "",
     ]
     body += md_table(
-        ["estimator", "k or m", "bias² / |g|²", "noise / |g|²", "cos", "final accuracy"],
+        ["estimator", "k or m", f"bias² / |g|² [{LEVEL:.0%} CI]", "noise / |g|²", "cos", "final accuracy"],
         [
-            [CACHE_FAMILIES[f], n, str(v["bias"]), str(v["noise"]), str(v["cos"]), str(v["acc"])]
+            [CACHE_FAMILIES[f], n, str(v["bias_ci"]), str(v["noise"]), str(v["cos"]), str(v["acc"])]
             for (f, n), v in sorted(
                 rows.items(), key=lambda kv: (list(CACHE_FAMILIES).index(kv[0][0]), kv[0][1])
             )
@@ -440,10 +490,11 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
         file,
         verdict,
         _says(parts),
-        "each top-k family's squared bias is > 2 se above 0 at the smallest k and significantly lower at the "
-        "largest; each MC family's squared bias is within max(2 se, 10% of its noise variance) of 0 at "
-        "every m, "
-        "and the least-squares slope of log noise variance against log m lies in [−1.25, −0.75].",
+        "squared bias and noise are ratios of sums over every probe of every seed (Σ B / Σ |g|², B the "
+        "row-group cross-product), with seed-clustered bootstrap intervals; each top-k family's one-sided "
+        f"{LEVEL:.0%} lower bound is above 0 at the smallest k and its interval at the largest k lies below "
+        f"the smallest k's; each MC family is unbiased at every m (one-sided {LEVEL:.0%} upper bound below "
+        f"{BIAS_TOL} of |g|²) and the least-squares slope of log noise against log m lies in [−1.25, −0.75].",
         body,
         [save(fig, plots, "cache_finiteness")],
         sweep.cpu_s,
@@ -732,13 +783,364 @@ def lr_x_lag(sweep: Sweep | None, plots: Path) -> Section:
     )
 
 
+# --- round 2: pre-registered rules (written and committed before any of these sweeps ran) -----------------
+#: accuracy margin of "does not improve on": the upper end of the 95% interval of the seed-paired
+#: difference must lie below it (exact match; about one eval prompt in 50 at eval_size 256 x 5 seeds)
+MARGIN = 0.02
+#: |difference| a matched-S·η pair may show and still be "the same damage" (both interval ends inside)
+SETA_MARGIN = 0.03
+#: "unbiased" at frozen θ: the one-sided 95% upper bound of Σ bias² / Σ |g|² is below this
+BIAS_TOL = 0.01
+LEVEL = 0.95
+SEEDS = 5
+
+RULES = [
+    "## Decision rules (round 2, fixed before the runs)",
+    "",
+    f"- Replication: {SEEDS} seeds per cell; every comparison is between cells that share seeds, and is "
+    f"read from the seed-paired differences: their mean with a {LEVEL:.0%} Student-t interval over the "
+    "seeds both cells finished.",
+    "- An interval that excludes 0 decides the direction; one that straddles 0 makes that part "
+    '*inconclusive* (never "no effect"). A claim of the form "X does not improve on Y" holds when the '
+    f"upper end of X − Y's interval is below {MARGIN} exact match, fails when its lower end is above 0, "
+    "and is inconclusive otherwise.",
+    "- A run's final accuracy of 0.0 is a result; a run stopped by the numerics guard counts, with final "
+    "accuracy 0.0 (its last logged evaluation is in the data); a run that raised or never ran is missing "
+    "and is listed as such.",
+    "- Squared gradient bias is the cross-product estimate over row groups, summed over probes and divided "
+    'by the summed |g|² (a ratio of sums), with a bootstrap over seeds; "unbiased" is one-sided: the '
+    f"upper {LEVEL:.0%} bound is below {BIAS_TOL} of |g|².",
+    "- Verdict: every part holds: *reproduced*; a part fails: *not reproduced*; otherwise *inconclusive*. "
+    "Controllers' acting fractions (`active/<controller>`, mean over steps) are reported beside every "
+    "controller result: a controller that did not act is not evidence about it.",
+]
+
+
+def per_seed(runs: Sequence[Run], fn: Callable[[Run], float]) -> dict[int, float]:
+    return {r.seed: fn(r) for r in runs}
+
+
+def paired(a: Sequence[Run], b: Sequence[Run], fn: Callable[[Run], float] = acc_final) -> Interval:
+    """``fn(a) − fn(b)`` paired by seed, with its t interval."""
+    return paired_difference(per_seed(a, fn), per_seed(b, fn), level=LEVEL)
+
+
+def direction(iv: Interval) -> bool | None:
+    """True above 0, False below, None when the interval straddles 0."""
+    d = decide(iv)
+    return None if d == CI_STRADDLES else d == "greater"
+
+
+def not_better(iv: Interval, margin: float = MARGIN) -> bool | None:
+    """ "X does not improve on Y" from X − Y: True if hi < margin, False if lo > 0, else None."""
+    if iv.hi < margin:
+        return True
+    if iv.lo > 0:
+        return False
+    return None
+
+
+def equivalent(iv: Interval, margin: float) -> bool | None:
+    """Both ends within ±margin: True; the interval excludes 0: False; else None."""
+    if -margin < iv.lo and iv.hi < margin:
+        return True
+    return False if decide(iv) != CI_STRADDLES else None
+
+
+def acting(runs: Sequence[Run]) -> str:
+    """Mean acting fraction per controller over the runs' steps, e.g. ``gradient_alignment 0.12``."""
+    keys = sorted({k for r in runs for m in r.metrics for k in m if k.startswith(N.ACTIVE_PREFIX)})
+    parts = []
+    for k in keys:
+        v = stat(r.mean(k) for r in runs)
+        if v.n:
+            parts.append(f"{k.removeprefix(N.ACTIVE_PREFIX)} {v.mean:.2f}")
+    return ", ".join(parts) or "—"
+
+
+def all_of(values: Sequence[bool | None]) -> bool | None:
+    if any(v is False for v in values):
+        return False
+    return True if values and all(v is True for v in values) else None
+
+
+def finish(
+    title: str, claim: str, file: str, sweep: Sweep, parts: dict[str, bool | None], rule: str,
+    body: list[str], plots: list[str],
+) -> Section:  # fmt: skip
+    return Section(
+        title, claim, file, _verdict(parts), _says(parts), rule, body, plots, sweep.cpu_s,
+        f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        tally=_tally(parts),
+    )  # fmt: skip
+
+
+# --- 5. recompute vs RL stabilisers in OPD ----------------------------------------------------------------
+STABILISERS = {
+    "stale_tis": "truncated_is (token, proximal anchor)",
+    "stale_ess_lr": "ess_lr",
+    "stale_gac": "gradient_alignment (apply_to update, τ tuned at S=0)",
+}
+GAC_TAUS = ("stale_gac_t0.1", "stale_gac_t0.3", "stale_gac_t0.5")
+RECOMPUTE_VARIANTS = ("stale", "stale_tis", "stale_ess_lr", *GAC_TAUS, "online", "online_ess_lr", "rkl_topk")
+
+
+def gac_tau(sweep: Sweep, lo: float) -> str | None:
+    """τ tuned at S=0 only: the GAC variant with the highest mean final accuracy at S=lo (ties: smaller τ)."""
+    scores = [(stat(acc_final(r) for r in _cell(sweep, v, lo)).mean, -i, v) for i, v in enumerate(GAC_TAUS)]
+    scores = [x for x in scores if math.isfinite(x[0])]
+    return max(scores)[2] if scores else None
+
+
+def _cell(sweep: Sweep, variant: str, lag: float) -> list[Run]:
+    return sweep.select(variant=variant, **{"pipeline.max_lag": lag})
+
+
+@experiment("recompute_vs_stabilisers")
+def recompute_vs_stabilisers(sweep: Sweep | None, plots: Path) -> Section:
+    title = "5. Recompute vs RL stabilisers in OPD"
+    claim = (
+        "In on-policy distillation with stale rollouts, recomputing the reverse-KL signal under the current "
+        "student recovers the loss of quality, and RL stabilisers (truncated importance sampling, ESS-scaled "
+        "learning rate, gradient-alignment control) applied to the stale signal do not improve on it."
+    )
+    file = "examples/sweeps/recompute_vs_stabilisers.yaml"
+    if sweep is None or not sweep.runs:
+        return missing(title, file, claim, sweep)
+    lags = sorted({r.settings["pipeline.max_lag"] for r in sweep.runs})
+    lo, hi = min(lags), max(lags)
+    tau = gac_tau(sweep, lo)
+    arm = {"stale_gac": tau, **{v: v for v in STABILISERS if v != "stale_gac"}}
+    parts: dict[str, bool | None] = {}
+    damage = paired(_cell(sweep, "stale", hi), _cell(sweep, "stale", lo))
+    if direction(damage) is not False:
+        parts[f"stale reverse KL loses accuracy from S={lo} to S={hi} (precondition)"] = None
+    recompute = paired(_cell(sweep, "online", hi), _cell(sweep, "stale", hi))
+    parts[f"online above stale at S={hi}: {recompute}"] = direction(recompute)
+    for key, label in STABILISERS.items():
+        variant = arm[key]
+        if variant is None:
+            parts[f"{label} does not improve on online at S={hi}"] = None
+            continue
+        iv = paired(_cell(sweep, variant, hi), _cell(sweep, "online", hi))
+        parts[f"{label} − online at S={hi}: {iv}, does not improve (hi < {MARGIN})"] = not_better(iv)
+    header = ["variant", *[f"S={s}" for s in lags], f"acting fraction at S={hi}"]
+    body = ["Final exact match per variant and fixed lag S (mean ± se over seeds):", ""]
+    body += md_table(
+        header,
+        [
+            [
+                v,
+                *[str(stat(acc_final(r) for r in _cell(sweep, v, s))) for s in lags],
+                acting(_cell(sweep, v, hi)),
+            ]
+            for v in RECOMPUTE_VARIANTS
+        ],
+    )
+    body += ["", f"GAC τ chosen at S={lo}: `{tau}`.", "", f"Seed-paired differences at S={hi}:", ""]
+    rows = [["online − stale", str(recompute)], [f"stale S={hi} − stale S={lo}", str(damage)]]
+    rows += [
+        [f"{v} − online", str(paired(_cell(sweep, v, hi), _cell(sweep, "online", hi)))]
+        for v in (*[arm[k] for k in STABILISERS if arm[k]], "online_ess_lr", "rkl_topk")
+    ]
+    body += md_table(["difference", f"mean [{LEVEL:.0%} CI] (n)"], rows)
+    fig = Figure(figsize=(6.5, 3.6), layout="constrained")
+    ax = fig.subplots()
+    for v in RECOMPUTE_VARIANTS:
+        errorbar_panel(ax, lags, [stat(acc_final(r) for r in _cell(sweep, v, s)) for s in lags], v)
+    ax.set_xlabel("fixed lag S")
+    ax.set_ylabel("final exact match")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    rule = (
+        f"precondition: stale reverse KL's accuracy at S={hi} is below its S={lo} (seed-paired interval "
+        f"below 0), else inconclusive; online − stale at S={hi} above 0; for each stabiliser X on the stale "
+        f"signal, X − online at S={hi} does not improve (upper end below {MARGIN}; fails if the lower end is "
+        f"above 0). GAC's τ is the one of {{0.1, 0.3, 0.5}} with the best mean accuracy at S={lo} "
+        "(min_lag 0, so it acts there)."
+    )
+    return finish(
+        title, claim, file, sweep, parts, rule, body, [save(fig, plots, "recompute_vs_stabilisers")]
+    )
+
+
+# --- 6. S·η on staleness-sensitive objectives ------------------------------------------------------------
+def damage(sweep: Sweep, variant: str | None, lr: float, lag: float) -> dict[int, float]:
+    """Per seed: final accuracy at (lr, S) minus at (lr, 0)."""
+    sel = {"train.lr": lr} | ({"variant": variant} if variant else {})
+    at = per_seed(sweep.select(**sel, **{"pipeline.max_lag": lag}), acc_final)
+    base = per_seed(sweep.select(**sel, **{"pipeline.max_lag": 0}), acc_final)
+    return {s: at[s] - base[s] for s in at if s in base}
+
+
+def s_eta_parts(sweep: Sweep, variant: str | None, label: str, *, control: bool) -> tuple[dict, list]:
+    lrs = sorted({float(r.settings["train.lr"]) for r in sweep.runs})
+    lags = sorted(s for s in {r.settings["pipeline.max_lag"] for r in sweep.runs} if s > 0)
+    points = [(lr, s) for lr in lrs for s in lags]
+    top = max(points, key=lambda p: (p[0] * p[1], p[1]))
+    d_top = paired_difference(damage(sweep, variant, *top), {k: 0.0 for k in damage(sweep, variant, *top)})
+    parts: dict[str, bool | None] = {}
+    rows = []
+    if control:
+        parts[f"{label} (control) not hurt at S·η={top[0] * top[1]:g}: {d_top}"] = (
+            direction(d_top) is not False
+        )
+        return parts, rows
+    parts[f"{label} hurt at the largest S·η={top[0] * top[1]:g}: {d_top}"] = (
+        None if direction(d_top) is None else direction(d_top) is False
+    )
+    groups: dict[float, list[tuple[float, float]]] = {}
+    for lr, s in points:
+        groups.setdefault(round(lr * s, 12), []).append((lr, s))
+    verdicts = []
+    for prod, members in sorted(groups.items()):
+        for a, b in itertools.combinations(members, 2):
+            iv = paired_difference(damage(sweep, variant, *a), damage(sweep, variant, *b), level=LEVEL)
+            verdicts.append(equivalent(iv, SETA_MARGIN))
+            rows.append([label, f"{prod:g}", f"(η {a[0]:g}, S {a[1]:g}) − (η {b[0]:g}, S {b[1]:g})", str(iv)])
+    parts[f"{label}: equal S·η, equal damage (every matched pair within ±{SETA_MARGIN})"] = all_of(verdicts)
+    return parts, rows
+
+
+def bias_vs_s_eta(sweep: Sweep, variant: str) -> list[list[str]]:
+    """Per (η, S): Σ bias² / Σ |g|² over the probes of every seed, with its seed-clustered interval."""
+    out = []
+    for r_lr in sorted({float(r.settings["train.lr"]) for r in sweep.runs}):
+        for s in sorted({r.settings["pipeline.max_lag"] for r in sweep.runs}):
+            runs = sweep.select(variant=variant, **{"train.lr": r_lr, "pipeline.max_lag": s})
+            clusters = [(r.series(N.GRADREF_BIAS_SQ)[1], r.series(N.GRADREF_REF_SQ)[1]) for r in runs]
+            iv = cluster_bootstrap_ratio(clusters, level=LEVEL)
+            out.append([variant, f"{r_lr:g}", f"{s:g}", f"{r_lr * s:g}", str(iv)])
+    return out
+
+
+@experiment("s_eta_opd")
+def s_eta_opd(sweep: Sweep | None, plots: Path) -> Section:
+    title = "6. S·η on staleness-sensitive objectives (OPD)"
+    claim = (
+        "The damage a stale gradient does grows with the product of the lag S and the learning rate η: "
+        "settings with equal S·η lose equal accuracy, for an objective whose gradient is sensitive to "
+        "staleness (reverse KL with the stale advantage); forward KL, insensitive to lag, is the negative "
+        "control; the squared gradient bias grows with S·η."
+    )
+    file = "examples/sweeps/s_eta_opd.yaml"
+    if sweep is None or not sweep.runs:
+        return missing(title, file, claim, sweep)
+    parts, rows = s_eta_parts(sweep, "rkl_mc_stale", "stale reverse KL", control=False)
+    control, _ = s_eta_parts(sweep, "forward_kl", "forward KL", control=True)
+    parts |= control
+    body = ["Seed-paired differences of the damage (accuracy at (η, S) minus at (η, 0)) between settings of "
+            "equal S·η:", ""]  # fmt: skip
+    body += md_table(["objective", "S·η", "pair", f"mean [{LEVEL:.0%} CI] (n)"], rows)
+    body += ["", "Squared gradient bias over |g|² (ratio of sums over probes, bootstrap over seeds):", ""]
+    body += md_table(["objective", "η", "S", "S·η", "bias² / |g|²"], bias_vs_s_eta(sweep, "rkl_mc_stale"))
+    rule = (
+        "damage = final accuracy at (η, S) minus at (η, 0), paired by seed; the sensitive objective is hurt "
+        "at the largest S·η (interval below 0; straddling: inconclusive); every pair of settings with equal "
+        f"S·η has a damage difference whose interval lies within ±{SETA_MARGIN} (fails if it excludes 0); "
+        "the "
+        "control (forward KL) is not hurt at the largest S·η (fails if its interval is below 0)."
+    )
+    return finish(title, claim, file, sweep, parts, rule, body, [])
+
+
+@experiment("s_eta_grpo")
+def s_eta_grpo(sweep: Sweep | None, plots: Path) -> Section:
+    title = "7. S·η on staleness-sensitive objectives (GRPO)"
+    claim = "As in 6, for GRPO: equal S·η, equal damage; damage at the largest S·η."
+    file = "examples/sweeps/s_eta_grpo.yaml"
+    if sweep is None or not sweep.runs:
+        return missing(title, file, claim, sweep)
+    parts, rows = s_eta_parts(sweep, None, "GRPO", control=False)
+    body = ["Seed-paired differences of the damage between settings of equal S·η:", ""]
+    body += md_table(["objective", "S·η", "pair", f"mean [{LEVEL:.0%} CI] (n)"], rows)
+    rule = (
+        "as in 6, on the final exact match of GRPO runs (no dense gradient reference: RL has no KL estimand)."
+    )
+    return finish(title, claim, file, sweep, parts, rule, body, [])
+
+
+# --- 8. accuracy against wall time, sync vs async ----------------------------------------------------------
+def eval_points(r: Run) -> list[tuple[float, float]]:
+    """(wall time s, exact match) of every evaluation the run logged."""
+    return [(m[N.TIME_S], m[N.EVAL_ACCURACY]) for m in r.metrics if N.EVAL_ACCURACY in m and N.TIME_S in m]
+
+
+def last_eval_time(r: Run) -> float:
+    return max((t for t, _ in eval_points(r)), default=0.0)
+
+
+def accuracy_at(r: Run, t: float) -> float:
+    """The last evaluation logged at or before wall time ``t`` (s since the run started); NaN if none."""
+    before = [a for when, a in eval_points(r) if when <= t]
+    return float(before[-1]) if before else math.nan
+
+
+@experiment("accuracy_vs_wall_time")
+def accuracy_vs_wall_time(sweep: Sweep | None, plots: Path) -> Section:
+    title = "8. Accuracy against wall time: sync vs async"
+    claim = (
+        "At equal wall time, asynchronous training reaches a higher accuracy than synchronous training, for "
+        "forward KL and for online (recomputed) reverse KL."
+    )
+    file = "examples/sweeps/accuracy_vs_wall_time.yaml"
+    if sweep is None or not sweep.runs:
+        return missing(title, file, claim, sweep)
+    lags = sorted({r.settings["pipeline.max_lag"] for r in sweep.runs})
+    ends = []
+    for v in ("forward_kl", "rkl_online"):
+        for s in lags:
+            times = [last_eval_time(r) for r in _cell(sweep, v, s)]
+            if times:
+                ends.append(float(np.median(times)))
+    budget = min(ends) if ends else math.nan
+    parts: dict[str, bool | None] = {}
+    rows = []
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, v in zip(axes, ("forward_kl", "rkl_online")):
+        sync, asyn = _cell(sweep, v, min(lags)), _cell(sweep, v, max(lags))
+        iv = paired(asyn, sync, lambda r: accuracy_at(r, budget))
+        parts[f"{v}: async − sync at {budget:.0f} s: {iv}"] = direction(iv)
+        rows.append([v, f"{budget:.0f}", str(iv)])
+        for i, s in enumerate(lags):
+            for r in _cell(sweep, v, s):
+                pts = [
+                    (m[N.TIME_S], m[N.EVAL_ACCURACY])
+                    for m in r.metrics
+                    if N.EVAL_ACCURACY in m and N.TIME_S in m
+                ]
+                if pts:
+                    ax.plot(
+                        *zip(*pts),
+                        color=f"C{i}",
+                        alpha=0.5,
+                        label=f"S={s:g}" if r is _cell(sweep, v, s)[0] else None,
+                    )
+        ax.axvline(budget, color="k", ls=":")
+        ax.set_title(v, fontsize=9)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("exact match")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    body = ["Accuracy at equal wall time (the shortest median run time of all cells), seed-paired:", ""]
+    body += md_table(["estimator", "wall time (s)", f"async − sync, mean [{LEVEL:.0%} CI] (n)"], rows)
+    rule = (
+        "the wall-time budget is the shortest median (over seeds) time of the last evaluation among all "
+        "cells; each run's accuracy at the budget is its last evaluation at or before it; async − sync, "
+        "paired by seed, "
+        "above 0 holds, below 0 fails, straddling is inconclusive."
+    )
+    return finish(title, claim, file, sweep, parts, rule, body, [save(fig, plots, "accuracy_vs_wall_time")])
+
+
 def models_line(sweeps: Sequence[Sweep | None]) -> str:
     """The student's and teacher's exact match as the runs measured them (``summary.json``), not typed."""
     runs = [r for sw in sweeps if sw is not None for r in sw.runs if r.summary.get("algo") == "opd"]
     if not runs:
         return "no OPD cell has finished yet"
     student = stat(acc_initial(r) for r in runs)
-    teacher = stat(float(r.summary.get("teacher_accuracy") or math.nan) for r in runs)
+    teacher = stat(figure(r, "teacher_accuracy") for r in runs)
     return f"student exact match {student.mean:.3f}, teacher {teacher.mean:.3f} on the runs' eval prompts"
 
 
@@ -757,6 +1159,8 @@ def render(sections: Sequence[Section], root: Path, models: str = "") -> str:
         "of the difference. The verdict rule of each experiment is stated",
         "beside it and is applied by the script, not by hand. Regenerate with the commands in",
         "`scripts/gen_experiments.py`.",
+        "",
+        *RULES,
         "",
         "| experiment | verdict | rule parts | cells | summed cell wall time |",
         "|---|---|---|---|---|",
@@ -795,17 +1199,60 @@ def render(sections: Sequence[Section], root: Path, models: str = "") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def generate(data: Path, out: Path, plots: Path) -> list[Section]:
+    """EXPERIMENTS.md at ``out`` and its plots in ``plots`` from the evidence under ``data`` alone."""
+    sweeps = {name: load_data(data, name) for name, _ in EXPERIMENTS}
+    sections = [fn(sweeps[name], plots) for name, fn in EXPERIMENTS]
+    out.write_text(render(sections, data, models_line(list(sweeps.values()))), encoding="utf-8")
+    return sections
+
+
+def export_all(sweeps_root: Path, data: Path) -> list[str]:
+    """``export_sweep`` every experiment's sweep found under ``sweeps_root`` into ``data/<name>``."""
+    done = []
+    for name in dict.fromkeys(n for n, _ in EXPERIMENTS):
+        if (sweeps_root / name / "sweep.json").exists():
+            export_sweep(sweeps_root / name, data / name)
+            done.append(name)
+    return done
+
+
+def check(data: Path, out: Path, plots: Path) -> list[str]:
+    """Regenerate into a temporary directory; the committed files that differ (empty: byte-identical)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        t_out, t_plots = Path(tmp) / out.name, Path(tmp) / "plots"
+        generate(data, t_out, t_plots)
+        differ = [] if out.exists() and filecmp.cmp(out, t_out, shallow=False) else [str(out)]
+        for png in sorted(t_plots.glob("*.png")):
+            mine = plots / png.name
+            if not (mine.exists() and filecmp.cmp(mine, png, shallow=False)):
+                differ.append(str(mine))
+    return differ
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sweeps-root", default=str(REPO / "runs" / "sweeps"), help="where the sweeps wrote")
+    ap.add_argument("--data", default=str(DATA), help="the committed evidence (experiments/data)")
+    ap.add_argument("--export-from", default=None, help="first export the sweeps under this directory")
+    ap.add_argument("--sweeps-root", default=None, help="read sweep outputs directly (exported beside them)")
     ap.add_argument("--out", default=str(REPO / "EXPERIMENTS.md"))
     ap.add_argument("--plots", default=str(REPO / "docs" / "experiments"))
+    ap.add_argument(
+        "--check", action="store_true", help="compare a regeneration with the files; rc 1 if any differ"
+    )
     args = ap.parse_args(argv)
-    root, plots = Path(args.sweeps_root), Path(args.plots)
-    sweeps = {name: load_sweep(root, name) for name, _ in EXPERIMENTS}
-    sections = [fn(sweeps[name], plots) for name, fn in EXPERIMENTS]
-    Path(args.out).write_text(render(sections, root, models_line(list(sweeps.values()))))
-    for s in sections:
+    data, out, plots = Path(args.data), Path(args.out), Path(args.plots)
+    if args.sweeps_root is not None:  # a scratch export beside the sweeps, for a look before committing
+        data = Path(args.sweeps_root) / "_evidence"
+        export_all(Path(args.sweeps_root), data)
+    if args.export_from is not None:
+        print("exported:", ", ".join(export_all(Path(args.export_from), data)) or "nothing")
+    if args.check:
+        differ = check(data, out, plots)
+        for path in differ:
+            print(f"differs from its regeneration: {path}")
+        return 1 if differ else 0
+    for s in generate(data, out, plots):
         print(f"{s.title}: {s.verdict}")
     return 0
 

@@ -326,6 +326,15 @@ def test_a_vocabulary_mismatch_is_named(pair, tmp_path, capsys) -> None:
     assert "tokenizer" in line and "differ" in line and "<extra>" in line
 
 
+def test_a_gguf_path_that_is_not_a_gguf_file_is_named(pair, tmp_path, capsys) -> None:
+    bad = tmp_path / "teacher.gguf"
+    line = validate(capsys, f"workload.teacher_path={bad}", f"workload.student_path={pair[1]}")
+    assert "workload.teacher_path" in line and str(bad) in line and "does not exist" in line
+    bad.write_text("not a model")
+    line = validate(capsys, f"workload.teacher_path={bad}", f"workload.student_path={pair[1]}")
+    assert "workload.teacher_path" in line and str(bad) in line and "not a GGUF file" in line
+
+
 def test_a_checkpoint_whose_config_is_not_json_is_named(pair, capsys) -> None:
     (pair[0] / "config.json").write_text("{")
     line = validate(capsys, *paths(pair))

@@ -10,7 +10,7 @@ controller, so the gradient the optimizer receives is the *expected* gradient.
 
 For every pairing the test either expects ``StepParts`` to refuse it (``check_composition``)
 or checks, to 1e-9 relative, that the received gradient and LR scale equal the claim of the
-README's table "What the composed gradient is", recomputed here from the tables alone:
+The table "What the composed gradient is" (docs/controllers.md), recomputed here from the tables alone:
 
     gradient = GAC( E_b[ (1/T) Σ_t f(lag) · w_t · ∇u_t ] ),   LR = base · Π scales
 
@@ -73,7 +73,7 @@ class Est:
     name: str
     options: dict[str, Any]
     rows: str  # "plain" | "behavior_draws" | "teacher_draws" | "pairs"
-    ratio: str  # "state" (no π_b in the loss) | "token" | "draws"  (as the README table)
+    ratio: str  # "state" (no π_b in the loss) | "token" | "draws"  (as the docs table)
     integrand: str  # "fkl" | "fkl_bucket" | "rkl" | "rkl_bucket" | "pg_rkl" | "pg_reward"
 
     @property
@@ -259,7 +259,7 @@ def claimed_lr_scale(ctrls: tuple[str, ...], lag: int, seq_log_ratio: np.ndarray
 
 
 def refusal(est: Est, ctrls: tuple[str, ...]) -> str | None:
-    """The README's rule for which pairings are refused at build time."""
+    """The docs' rule (docs/controllers.md) for which pairings are refused at build time."""
     levels = [CONTROLLERS[c][1]["level"] for c in ctrls if CONTROLLERS[c][0] == "truncated_is"]
     if not levels:
         return None

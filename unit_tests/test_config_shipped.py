@@ -14,6 +14,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 SHIPPED = (
     "grpo.yaml",
     "opd_async.yaml",
+    "opd_lora.yaml",
     "opd_one_machine.yaml",
     "opd_reverse_kl_mc.yaml",
     "opd_sync.yaml",
@@ -54,6 +55,9 @@ def test_each_config_is_what_its_name_says() -> None:
     assert one.pipeline.colocate and one.pipeline.max_lag >= 1 and one.train.minibatches >= 2
     assert one.train.batch_size // one.train.minibatches == asyn.train.batch_size
     assert one.train.steps == asyn.train.steps and one.estimator == asyn.estimator and one.cache == asyn.cache
+    lora = cfg["opd_lora.yaml"]  # the async demo with a LoRA student: adapters only, checked provenance
+    assert lora.train.lora is not None and lora.pipeline.provenance == "strict"
+    assert lora.workload == asyn.workload and lora.estimator == asyn.estimator and lora.pipeline.max_lag >= 1
     for c in cfg.values():
         if c.algo == "opd":
             assert c.estimator.name != "grpo"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,18 +37,20 @@ def write_sweep(
     metrics: Metrics,
     *,
     algo: str = "opd",
+    seeds: tuple[int, ...] = (0, 1, 2),
+    status: Callable[[dict[str, Any], int], str] = lambda st, seed: "completed",
 ) -> None:
     """A sweep directory as ``asyncrl sweep`` writes it: ``sweep.json`` plus one run directory per cell
     with ``summary.json`` and ``metrics.jsonl``."""
     out = root / name
     doc = {"name": name, "cells": []}
     for settings in cells:
-        for seed in (0, 1, 2):
+        for seed in seeds:
             key = "__".join(f"{k}={v}" for k, v in settings.items()) + f"__seed={seed}"
             run = out / "runs" / key
             run.mkdir(parents=True)
             summary = {
-                "status": "completed",
+                "status": status(settings, seed),
                 "algo": algo,
                 "eval_accuracy_initial": 0.25,
                 "eval_accuracy_final": final(settings, seed),
@@ -157,7 +160,8 @@ def test_cache_finiteness_reads_bias_and_the_one_over_m_slope(gen: Any, tmp_path
         bias = (0.5 / n + jitter(seed)) if "topk" in v else 0.001 * (seed - 1)
         noise = 0.01 if "topk" in v else 0.8 / n
         return [
-            {"step": 10 * i, "gradref/bias_sq_rel": bias, "gradref/noise_rel": noise} for i in range(1, 6)
+            {"step": 10 * i, "gradref/bias_sq": bias, "gradref/noise_sq": noise, "gradref/ref_sq": 1.0}
+            for i in range(1, 6)
         ]
 
     write_sweep(tmp_path, "cache_finiteness", cells, lambda st, seed: 0.4, metrics)
@@ -175,7 +179,7 @@ def test_document_takes_model_accuracies_from_the_runs(gen: Any, tmp_path: Path)
     assert gen.main(["--sweeps-root", str(tmp_path), "--out", str(out), "--plots", str(tmp_path / "p")]) == 0
     text = out.read_text()
     assert "student exact match 0.250, teacher 0.950" in text
-    assert text.count("not run yet (no finished cells)") == 3  # the three sweeps that have no directory
+    assert text.count("not run yet (no finished cells)") == 7  # the seven sweeps that have no directory
 
 
 GRPO_VARIANTS = ("none", "truncated_is", "ess_lr", "gradient_alignment", "staleness_lr_law")
@@ -223,3 +227,203 @@ def test_the_summary_says_how_many_rule_parts_hold(gen: Any, tmp_path: Path) -> 
     kl_sweep(tmp_path / "b", lambda v, s: 0.05 if (v != "reverse_kl_mc_online" and s == 8) else 0.2)
     section = kl_verdict(gen, tmp_path / "b")
     assert section.tally == "2 of 3 parts hold"
+
+
+# --- aggregation: 0.0 is a value, aborted runs count, failed ones are missing -------------------------
+def test_zero_accuracy_and_aborted_seeds_count(gen: Any, tmp_path: Path) -> None:
+    def final(st: dict[str, Any], seed: int) -> float:
+        return 0.0 if seed == 0 else 0.3  # a collapsed seed: exactly 0.0
+
+    def status(st: dict[str, Any], seed: int) -> str:
+        return "aborted" if (st["pipeline.max_lag"] == 8 and seed == 1) else "completed"
+
+    cells = [{"variant": v, "pipeline.max_lag": s} for v in KL_VARIANTS for s in (0, 8)]
+    metrics = lambda st, seed: [{"step": 1, "eval/accuracy": 0.25}]  # noqa: E731
+    write_sweep(tmp_path, "kl_direction_x_lag", cells, final, metrics, status=status)
+    sweep = gen.load_sweep(tmp_path, "kl_direction_x_lag")
+    cell0 = sweep.select(variant="forward_kl_topk", **{"pipeline.max_lag": 0})
+    s0 = gen.stat(gen.acc_final(r) for r in cell0)
+    assert s0.n == 3 and s0.mean == pytest.approx(0.2)  # the 0.0 seed is in the mean
+    cell8 = sweep.select(variant="forward_kl_topk", **{"pipeline.max_lag": 8})
+    assert sorted(r.outcome for r in cell8) == ["aborted", "completed", "completed"]
+    s8 = gen.stat(gen.acc_final(r) for r in cell8)
+    assert s8.n == 3 and s8.mean == pytest.approx(0.1)  # aborted counts, with accuracy 0.0
+    assert sweep.pending == 0
+
+
+# --- round 2 rules ---------------------------------------------------------------------------------------
+FIVE = (0, 1, 2, 3, 4)
+
+
+def recompute_sweep(root: Path, acc: Callable[[str, int, int], float]) -> Any:
+    variants = ("stale", "stale_tis", "stale_ess_lr", "stale_gac_t0.1", "stale_gac_t0.3", "stale_gac_t0.5",
+                "online", "online_ess_lr", "rkl_topk")  # fmt: skip
+    cells = [{"variant": v, "pipeline.max_lag": s} for v in variants for s in (0, 8)]
+
+    def metrics(st: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+        active = {"active/gradient_alignment": 0.25} if "gac" in st["variant"] else {}
+        return [{"step": i, **active} for i in range(1, 5)]
+
+    def final(st: dict[str, Any], seed: int) -> float:
+        return acc(st["variant"], st["pipeline.max_lag"], seed)
+
+    write_sweep(root, "recompute_vs_stabilisers", cells, final, metrics, seeds=FIVE)
+    return root
+
+
+def _acc_recompute(v: str, s: int, seed: int, *, ess: float = 0.15, noise: float = 0.0) -> float:
+    base = 0.3 + 0.002 * seed
+    if s == 0:
+        return base + (0.01 if v == "stale_gac_t0.3" else 0.0)
+    if v.startswith("online"):
+        return base - 0.02
+    if v == "stale_ess_lr":
+        return base - 0.3 + ess + noise * math.sin(3.0 * seed + 1.0)
+    return base - 0.2 + (0.05 if v != "stale" else 0.0)
+
+
+def test_recompute_reproduced_when_online_recovers_and_no_stabiliser_beats_it(
+    gen: Any, tmp_path: Path
+) -> None:
+    recompute_sweep(tmp_path, _acc_recompute)
+    section = gen.recompute_vs_stabilisers(
+        gen.load_sweep(tmp_path, "recompute_vs_stabilisers"), tmp_path / "p"
+    )
+    assert section.verdict == gen.REPRODUCED, section.why
+    body = "\n".join(section.body)
+    assert "GAC τ chosen at S=0: `stale_gac_t0.3`" in body  # the best at S=0, not at S=8
+    assert "gradient_alignment 0.25" in body  # the acting fraction is reported
+
+
+def test_recompute_not_reproduced_when_a_stabiliser_beats_online(gen: Any, tmp_path: Path) -> None:
+    recompute_sweep(tmp_path, lambda v, s, seed: _acc_recompute(v, s, seed, ess=0.35))
+    section = gen.recompute_vs_stabilisers(
+        gen.load_sweep(tmp_path, "recompute_vs_stabilisers"), tmp_path / "p"
+    )
+    assert section.verdict == gen.NOT_REPRODUCED
+    assert "ess_lr − online at S=8" in section.why and "fails" in section.why
+
+
+def test_recompute_inconclusive_when_the_interval_straddles(gen: Any, tmp_path: Path) -> None:
+    recompute_sweep(tmp_path, lambda v, s, seed: _acc_recompute(v, s, seed, ess=0.28, noise=0.05))
+    section = gen.recompute_vs_stabilisers(
+        gen.load_sweep(tmp_path, "recompute_vs_stabilisers"), tmp_path / "p"
+    )
+    assert section.verdict == gen.INCONCLUSIVE, section.why
+
+
+def s_eta_sweep(root: Path, damage: Callable[[str, float, int], float]) -> None:
+    cells = [
+        {"variant": v, "train.lr": lr, "pipeline.max_lag": s}
+        for v in ("rkl_mc_stale", "forward_kl")
+        for lr in (1e-4, 2e-4, 4e-4)
+        for s in (0, 1, 2, 4)
+    ]
+
+    def final(st: dict[str, Any], seed: int) -> float:
+        d = (
+            0.0
+            if st["pipeline.max_lag"] == 0
+            else damage(st["variant"], st["train.lr"], st["pipeline.max_lag"])
+        )
+        return 0.3 + 0.003 * seed + d + 0.002 * math.sin(seed * 7.0 + st["pipeline.max_lag"])
+
+    def metrics(st: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+        b = st["train.lr"] * st["pipeline.max_lag"] * 100
+        return [{"step": i, "gradref/bias_sq": b, "gradref/ref_sq": 1.0} for i in range(1, 4)]
+
+    write_sweep(root, "s_eta_opd", cells, final, metrics, seeds=FIVE)
+
+
+def test_s_eta_reproduced_when_damage_is_a_function_of_the_product(gen: Any, tmp_path: Path) -> None:
+    s_eta_sweep(tmp_path, lambda v, lr, s: 0.0 if v == "forward_kl" else -200 * lr * s)
+    section = gen.s_eta_opd(gen.load_sweep(tmp_path, "s_eta_opd"), tmp_path / "p")
+    assert section.verdict == gen.REPRODUCED, section.why
+    assert "bias² / |g|²" in "\n".join(section.body)
+
+
+def test_s_eta_not_reproduced_when_damage_follows_the_lag_alone(gen: Any, tmp_path: Path) -> None:
+    s_eta_sweep(tmp_path, lambda v, lr, s: 0.0 if v == "forward_kl" else -0.04 * s)
+    section = gen.s_eta_opd(gen.load_sweep(tmp_path, "s_eta_opd"), tmp_path / "p")
+    assert section.verdict == gen.NOT_REPRODUCED
+    assert "equal S·η, equal damage" in section.why and "fails" in section.why
+
+
+def test_s_eta_negative_control_fails_when_forward_kl_is_hurt_too(gen: Any, tmp_path: Path) -> None:
+    s_eta_sweep(tmp_path, lambda v, lr, s: -200 * lr * s)
+    section = gen.s_eta_opd(gen.load_sweep(tmp_path, "s_eta_opd"), tmp_path / "p")
+    assert "forward KL (control) not hurt" in section.why and section.verdict == gen.NOT_REPRODUCED
+
+
+def wall_sweep(root: Path, async_gain: float) -> None:
+    cells = [{"variant": v, "pipeline.max_lag": s} for v in ("forward_kl", "rkl_online") for s in (0, 2)]
+
+    def metrics(st: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+        speed = 1.5 if st["pipeline.max_lag"] else 1.0  # async does more steps per second
+        rows = []
+        for i in range(0, 101, 25):
+            t = 10.0 + i / speed
+            acc = 0.25 + 0.002 * i * (1 + (async_gain if st["pipeline.max_lag"] else 0)) + 0.001 * seed
+            rows.append({"step": i, "time_s": t, "eval/accuracy": acc})
+        return rows
+
+    write_sweep(root, "accuracy_vs_wall_time", cells, lambda st, seed: 0.4, metrics, seeds=FIVE)
+
+
+@pytest.mark.parametrize(("gain", "verdict"), [(0.0, "reproduced"), (-0.8, "not reproduced")])
+def test_accuracy_at_equal_wall_time(gen: Any, tmp_path: Path, gain: float, verdict: str) -> None:
+    wall_sweep(tmp_path, gain)
+    section = gen.accuracy_vs_wall_time(gen.load_sweep(tmp_path, "accuracy_vs_wall_time"), tmp_path / "p")
+    assert section.verdict == verdict, section.why
+    assert "async − sync at 77 s" in section.why  # async finishes its 100 steps at 10 + 100/1.5 s
+
+
+def test_paired_interval_and_t_quantile() -> None:
+    from scipy import stats as sps
+
+    from asyncrl.telemetry import stats
+
+    for df in (1, 4, 10):
+        assert stats.t_quantile(0.975, df) == pytest.approx(sps.t.ppf(0.975, df), rel=1e-6)
+    a = {0: 0.5, 1: 0.6, 2: 0.55, 3: 0.7, 4: 0.62}
+    b = {0: 0.4, 1: 0.45, 2: 0.5, 3: 0.5, 4: 0.6, 9: 0.1}  # seed 9 has no partner: left out
+    iv = stats.paired_difference(a, b)
+    d = np.array([a[s] - b[s] for s in range(5)])
+    half = sps.t.ppf(0.975, 4) * d.std(ddof=1) / math.sqrt(5)
+    assert iv.n == 5 and iv.estimate == pytest.approx(d.mean())
+    assert (iv.lo, iv.hi) == pytest.approx((d.mean() - half, d.mean() + half))
+    assert stats.decide(iv) == "greater"
+    assert stats.decide(stats.paired_difference({0: 1.0}, {0: 0.0})) == "inconclusive"  # one seed
+
+
+# --- committed evidence: the document is a function of the data alone -------------------------------------
+def test_regeneration_from_committed_data_is_byte_identical(gen: Any, tmp_path: Path) -> None:
+    sweeps, data = tmp_path / "sweeps", tmp_path / "data"
+    kl_sweep(sweeps, lambda v, s: 0.05 if (v == "reverse_kl_mc_stale" and s == 8) else 0.2)
+    recompute_sweep(sweeps, _acc_recompute)
+    a_out, a_plots = tmp_path / "a" / "EXPERIMENTS.md", tmp_path / "a" / "plots"
+    a_out.parent.mkdir()
+    args = ["--data", str(data), "--out", str(a_out), "--plots", str(a_plots)]
+    assert gen.main(["--export-from", str(sweeps), *args]) == 0
+    assert sorted(p.name for p in data.iterdir()) == ["kl_direction_x_lag", "recompute_vs_stabilisers"]
+    assert sorted(p.name for p in (data / "kl_direction_x_lag").iterdir()) == [
+        "runs.csv",
+        "steps.csv",
+        "sweep.json",
+    ]
+    import shutil
+
+    shutil.rmtree(sweeps)  # nothing but the committed data from here on
+    b_out, b_plots = tmp_path / "b" / "EXPERIMENTS.md", tmp_path / "b" / "plots"
+    b_out.parent.mkdir()
+    assert gen.main(["--data", str(data), "--out", str(b_out), "--plots", str(b_plots)]) == 0
+    assert a_out.read_bytes() == b_out.read_bytes()
+    pngs = sorted(p.name for p in a_plots.glob("*.png"))
+    assert pngs == ["kl_direction_x_lag.png", "recompute_vs_stabilisers.png"]
+    for name in pngs:
+        assert (a_plots / name).read_bytes() == (b_plots / name).read_bytes()
+    assert "| **reproduced** |" in a_out.read_text()
+    assert gen.main(["--check", *args]) == 0
+    runs = data / "recompute_vs_stabilisers" / "runs.csv"
+    runs.write_text(runs.read_text().replace("0.28", "0.29", 1))  # one committed number changes
+    assert gen.main(["--check", *args]) == 1

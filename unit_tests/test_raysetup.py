@@ -1,6 +1,7 @@
-"""The executor patch of ``asyncrl.raysetup``, without a Ray cluster: the first-ready wait, the
-import hook that applies it lazily, and the runtime environment that carries it (and the
-environment asyncrl gives Ray's worker processes)."""
+"""The worker-side patches of ``asyncrl.ray_internals`` (``executor_wait``, ``local_autoscaler``),
+without a Ray cluster: the first-ready wait, the import hook that applies them lazily, and the
+runtime environment of ``asyncrl.raysetup`` that carries them (and the environment asyncrl gives
+Ray's worker processes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import types
 
 import pytest
 
-from asyncrl import raysetup
+from asyncrl import ray_internals, raysetup
 
 
 class _FakeRay:
@@ -30,7 +31,7 @@ class _FakeRay:
 
 def test_first_ready_wait_returns_every_ready_ref_after_the_first():
     fake = _FakeRay(ready={2, 3})
-    ready, rest = raysetup.FirstReadyRay(fake).wait(
+    ready, rest = ray_internals.FirstReadyRay(fake).wait(
         [1, 2, 3, 4], num_returns=4, timeout=0.1, fetch_local=False
     )
     assert sorted(ready) == [2, 3] and sorted(rest) == [1, 4]
@@ -40,7 +41,7 @@ def test_first_ready_wait_returns_every_ready_ref_after_the_first():
 
 def test_first_ready_wait_times_out_with_nothing_and_passes_other_names_through():
     fake = _FakeRay(ready=set())
-    stand_in = raysetup.FirstReadyRay(fake)
+    stand_in = ray_internals.FirstReadyRay(fake)
     assert stand_in.wait([1, 2], num_returns=2, timeout=0.1) == ([], [1, 2])
     assert stand_in.other == "passed through"
 
@@ -49,13 +50,13 @@ def test_when_imported_patches_at_first_import(tmp_path, monkeypatch):
     (tmp_path / "asyncrl_probe_mod.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
-    raysetup.when_imported("asyncrl_probe_mod", lambda m: (seen.append(m.VALUE), setattr(m, "VALUE", 2)))
+    ray_internals.when_imported("asyncrl_probe_mod", lambda m: (seen.append(m.VALUE), setattr(m, "VALUE", 2)))
     try:
         assert seen == []  # nothing imported yet
         import asyncrl_probe_mod
 
         assert seen == [1] and asyncrl_probe_mod.VALUE == 2
-        assert not any(isinstance(f, raysetup._PatchOnImport) for f in sys.meta_path)  # one-shot
+        assert not any(isinstance(f, ray_internals._PatchOnImport) for f in sys.meta_path)  # one-shot
     finally:
         sys.modules.pop("asyncrl_probe_mod", None)
 
@@ -64,7 +65,7 @@ def test_when_imported_patches_an_imported_module_now():
     module = types.ModuleType("asyncrl_probe_loaded")
     sys.modules[module.__name__] = module
     try:
-        raysetup.when_imported(module.__name__, lambda m: setattr(m, "patched", True))
+        ray_internals.when_imported(module.__name__, lambda m: setattr(m, "patched", True))
         assert module.patched is True
     finally:
         del sys.modules[module.__name__]
@@ -79,9 +80,9 @@ def test_patch_executor_sets_the_idle_bound_and_the_wait():
     module.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S = 0.1
     module.ray = ray
     module.time = time
-    raysetup.patch_executor(module, 0.25)
+    ray_internals.patch_executor(module, 0.25)
     assert module.WAIT_FOR_TASK_COMPLETION_TIMEOUT_S == 0.25
-    assert isinstance(module.ray, raysetup.FirstReadyRay)
+    assert isinstance(module.ray, ray_internals.FirstReadyRay)
     assert module.time.time() > 0  # everything else passes through
     t0 = time.perf_counter()
     module.time.sleep(0.01)  # the consumer's poll: shortened to CONSUMER_POLL_S
@@ -90,7 +91,7 @@ def test_patch_executor_sets_the_idle_bound_and_the_wait():
 
 def test_patch_executor_fails_loudly_on_an_unknown_ray():
     with pytest.raises(RuntimeError, match=r"pin ray==2\.60\.0"):
-        raysetup.patch_executor(types.ModuleType("not_the_executor"), 0.1)
+        ray_internals.patch_executor(types.ModuleType("not_the_executor"), 0.1)
 
 
 def test_the_pinned_ray_has_what_the_patch_replaces():
@@ -102,8 +103,8 @@ def test_the_pinned_ray_has_what_the_patch_replaces():
 
     import ray
 
-    assert ses.ray is ray or isinstance(ses.ray, raysetup.FirstReadyRay)
-    assert ses.time is time or isinstance(ses.time, raysetup.ShortSleepTime)
+    assert ses.ray is ray or isinstance(ses.ray, ray_internals.FirstReadyRay)
+    assert ses.time is time or isinstance(ses.time, ray_internals.ShortSleepTime)
     # the module's only sleep is the consumer's poll (what ShortSleepTime shortens)
     assert inspect.getsource(ses).count("time.sleep(") == 1
 
@@ -112,12 +113,12 @@ def test_runtime_env_carries_the_hook_unless_disabled(monkeypatch):
     for key in raysetup.TORCH_ENV:
         monkeypatch.delenv(key, raising=False)
     env = raysetup.runtime_env({"A": "1"}, 0.05)
-    assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
+    assert env["worker_process_setup_hook"] == "asyncrl.ray_internals.setup_worker"
     assert env["env_vars"] == {
         "A": "1",
         **raysetup.TORCH_ENV,
         **raysetup.WORKER_ENV,
-        raysetup.TICK_ENV: "0.05",
+        ray_internals.TICK_ENV: "0.05",
         "RAY_DATA_METADATA_PREFETCH_ON_THREAD": "0",
     }
     assert raysetup.runtime_env({"A": "1"}, None) == {
@@ -157,10 +158,10 @@ def test_workers_never_auto_start_a_ray_instance_and_get_the_tick() -> None:
     env = raysetup.runtime_env(dict(raysetup.RAY_ENV), 0.01)
     assert env["env_vars"]["RAY_ENABLE_AUTO_CONNECT"] == "0"
     assert raysetup.WORKER_ENV.items() <= env["env_vars"].items()
-    assert env["env_vars"][raysetup.TICK_ENV] == "0.01"
-    assert env["worker_process_setup_hook"] == "asyncrl.raysetup.setup_worker"
+    assert env["env_vars"][ray_internals.TICK_ENV] == "0.01"
+    assert env["worker_process_setup_hook"] == "asyncrl.ray_internals.setup_worker"
     plain = raysetup.runtime_env({}, None)["env_vars"]
-    assert raysetup.TICK_ENV not in plain and raysetup.WORKER_ENV.items() <= plain.items()
+    assert ray_internals.TICK_ENV not in plain and raysetup.WORKER_ENV.items() <= plain.items()
 
 
 def _cfg(**pipeline):
@@ -203,7 +204,7 @@ def test_local_cluster_autoscaler_asks_for_nothing_and_budgets_the_whole_instanc
 
     resources = {"CPU": 4.0, "memory": 8e9, "object_store_memory": 2e9}
     monkeypatch.setattr(ray, "cluster_resources", lambda: resources)
-    scaler = raysetup.local_cluster_autoscaler("topology", "resource manager", "context", execution_id="x")
+    scaler = ray_internals.local_cluster_autoscaler("topology", "resources", "context", execution_id="x")
     assert isinstance(scaler, ClusterAutoscaler)
     total = scaler.get_total_resources()
     assert (total.cpu, total.gpu, total.memory, total.object_store_memory) == (4.0, 0.0, 8e9, 2e9)
@@ -215,13 +216,15 @@ def test_local_cluster_autoscaler_asks_for_nothing_and_budgets_the_whole_instanc
 def test_a_worker_of_a_local_instance_gets_the_local_cluster_autoscaler(local) -> None:
     """``setup_worker`` in a fresh process (Ray Data not yet imported), as a Ray worker runs it:
     on a local instance (``LOCAL_RAY_MARKER``) Ray Data's executor creates the local autoscaler, and
-    the pinned executor still has the name the patch replaces (else the import fails loudly)."""
+    the pinned executor still has the name the patch replaces (else the patch is skipped with a
+    warning, the executor keeps Ray's autoscaler and this prints False)."""
     code = (
-        "from asyncrl import raysetup; raysetup.setup_worker(); "
+        "from asyncrl import ray_internals; ray_internals.setup_worker(); "
         "from ray.data._internal.execution import streaming_executor as se; "
-        "print(se.create_cluster_autoscaler is raysetup.local_cluster_autoscaler)"
+        "print(se.create_cluster_autoscaler is ray_internals.local_cluster_autoscaler)"
     )
-    env = {k: v for k, v in os.environ.items() if k != raysetup.LOCAL_RAY_MARKER}
+    drop = (raysetup.LOCAL_RAY_MARKER, ray_internals.DISABLE_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     if local:
         env[raysetup.LOCAL_RAY_MARKER] = "1"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -230,4 +233,4 @@ def test_a_worker_of_a_local_instance_gets_the_local_cluster_autoscaler(local) -
 
 def test_patch_local_autoscaler_fails_loudly_on_an_unknown_ray():
     with pytest.raises(RuntimeError, match=r"pin ray==2\.60\.0"):
-        raysetup.patch_local_autoscaler(types.ModuleType("not_the_executor"))
+        ray_internals.patch_local_autoscaler(types.ModuleType("not_the_executor"))

@@ -1,7 +1,7 @@
-"""``asyncrl.raytrain``, without a Ray cluster: the Trainer hands Ray Train's controller the same
-callbacks and scaling policy less the helper processes a local run cannot use, and the private
-Ray Train hooks it overrides still exist in the pinned Ray (a Ray release that moves them fails
-here, not silently in a run)."""
+"""The ``train_helpers`` patch of ``asyncrl.ray_internals``, without a Ray cluster: the Trainer hands
+Ray Train's controller the same callbacks and scaling policy less the helper processes a local run
+cannot use, and the private Ray Train hooks it overrides still exist in the pinned Ray (a Ray
+release that moves them fails here; a run on it falls back to stock Ray, ``test_ray_internals``)."""
 
 from __future__ import annotations
 
@@ -19,17 +19,31 @@ from ray.train.v2._internal.execution.scaling_policy import (
 )
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from asyncrl import raytrain
+from asyncrl import ray_internals
 from asyncrl.pipeline import ray_runtime_env
 from asyncrl.raysetup import LOCAL_RAY_MARKER
+
+CLASSES = ray_internals.train_classes()
+Trainer = CLASSES["Trainer"]
+NoIdleDatasetsCallback = CLASSES["NoIdleDatasetsCallback"]
+LocalScalingPolicy = CLASSES["LocalScalingPolicy"]
 
 
 def _loop(config):  # a train function: never run here
     pass
 
 
-def _trainer(local: bool, **kw) -> raytrain.Trainer:
-    return raytrain.Trainer(_loop, local=local, scaling_config=ScalingConfig(num_workers=1), **kw)
+def _trainer(local: bool, **kw):
+    return Trainer(_loop, local=local, scaling_config=ScalingConfig(num_workers=1), **kw)
+
+
+def test_torch_trainer_is_the_lean_one_on_the_pinned_ray_and_rays_own_when_patches_are_off(monkeypatch):
+    from ray.train.torch import TorchTrainer
+
+    kw = {"scaling_config": ScalingConfig(num_workers=1)}
+    assert type(ray_internals.torch_trainer(_loop, local=True, **kw)) is Trainer
+    monkeypatch.setenv(ray_internals.DISABLE_ENV, "off")
+    assert type(ray_internals.torch_trainer(_loop, local=True, **kw)) is TorchTrainer
 
 
 def test_ray_train_hooks_asyncrl_overrides_exist_with_their_signatures():
@@ -53,17 +67,17 @@ def test_local_trainer_drops_the_cleaner_and_the_idle_dataset_manager():
     cbs = _trainer(local=True)._create_default_callbacks()
     types = [type(cb) for cb in cbs]
     assert PlacementGroupCleanerCallback not in types
-    assert DatasetsCallback not in types and types.count(raytrain.NoIdleDatasetsCallback) == 1
+    assert DatasetsCallback not in types and types.count(NoIdleDatasetsCallback) == 1
     # everything else is Ray Train's own list, in its order
     full = DataParallelTrainer._create_default_callbacks(_trainer(local=True))
     kept = [type(cb) for cb in full if type(cb) is not PlacementGroupCleanerCallback]
-    assert [raytrain.NoIdleDatasetsCallback if t is DatasetsCallback else t for t in kept] == types
+    assert [NoIdleDatasetsCallback if t is DatasetsCallback else t for t in kept] == types
 
 
 def test_cluster_trainer_keeps_the_cleaner():
     types = [type(cb) for cb in _trainer(local=False)._create_default_callbacks()]
     assert types.count(PlacementGroupCleanerCallback) == 1
-    assert raytrain.NoIdleDatasetsCallback in types and DatasetsCallback not in types
+    assert NoIdleDatasetsCallback in types and DatasetsCallback not in types
 
 
 def test_no_idle_datasets_callback_keeps_the_data_context_and_starts_a_manager_only_for_datasets(monkeypatch):
@@ -87,7 +101,7 @@ def test_no_idle_datasets_callback_keeps_the_data_context_and_starts_a_manager_o
 
 def test_local_scaling_policy_decides_like_fixed_without_an_autoscaler():
     cfg = ScalingConfig(num_workers=2)
-    policy = raytrain.LocalScalingPolicy(cfg)
+    policy = LocalScalingPolicy(cfg)
     policy.after_controller_start(train_run_context=None)  # would create the coordinator actor
     assert policy._coordinator_client is None
     decision = policy.make_decision_for_non_running_worker_group()
@@ -105,7 +119,7 @@ def test_trainer_swaps_the_scaling_policy_only_locally(monkeypatch, local):
     monkeypatch.setattr(DataParallelTrainer, "_initialize_and_run_controller", run_controller)
     fixed = FixedScalingPolicy(ScalingConfig(num_workers=1))
     _trainer(local=local)._initialize_and_run_controller(scaling_policy=fixed, callbacks=[])
-    assert type(got["scaling_policy"]) is (raytrain.LocalScalingPolicy if local else FixedScalingPolicy)
+    assert type(got["scaling_policy"]) is (LocalScalingPolicy if local else FixedScalingPolicy)
     assert got["scaling_policy"].scaling_config is fixed.scaling_config
 
 

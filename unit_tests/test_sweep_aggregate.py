@@ -252,3 +252,31 @@ def test_names_list_every_summary_figure(tmp_path: Path) -> None:
         run, algo="opd", estimator="forward_kl", max_lag=2, teacher_accuracy=0.9, wall_s=1.0, store_stats={}
     )
     assert set(summary) <= set(names.SUMMARY_KEYS), set(summary) - set(names.SUMMARY_KEYS)
+
+
+def test_zero_and_aborted_results_count_and_a_failed_run_is_not_a_result(tmp_path: Path) -> None:
+    """A seed whose final accuracy is exactly 0.0 and one the numerics guard aborted are in their setting's
+    n; a cell whose run raised (summary.json status failed, from an earlier invocation) is not."""
+    path = write_sweep(
+        tmp_path, {"grid": {"pipeline.max_lag": [0, 2]}, "seeds": [0, 1, 2], "overrides": {"train.steps": 4}}
+    )
+    sweep = load_sweep(path)
+    run_sweep(sweep, runner=FakeRunner(fail=("pipeline.max_lag=2__seed=2",)))
+    by_key = {c.key: c for c in sweep.cells}
+    zero = by_key["pipeline.max_lag=0__seed=1"].run_dir / names.SUMMARY_FILE
+    aborted = by_key["pipeline.max_lag=2__seed=0"].run_dir / names.SUMMARY_FILE
+    for path_, status, acc in ((zero, names.STATUS_COMPLETED, 0.0), (aborted, names.STATUS_ABORTED, 0.0)):
+        doc = json.loads(path_.read_text())
+        doc.update(status=status, eval_accuracy_final=acc)
+        path_.write_text(json.dumps(doc))
+    out = aggregate_sweep(sweep)  # a fresh invocation: only the files say which cell failed
+    cells = pd.read_csv(out.cells).set_index("cell")
+    assert cells.loc["pipeline.max_lag=2__seed=2", "status"] == "failed"
+    assert cells.loc["pipeline.max_lag=0__seed=1", "eval_accuracy_final"] == 0.0
+    seeds = pd.read_csv(out.seeds).set_index("pipeline.max_lag")
+    assert seeds.loc[0, "eval_accuracy_final:n"] == 3  # the 0.0 seed counts
+    assert seeds.loc[2, "eval_accuracy_final:n"] == 2  # the aborted seed counts, the failed one does not
+    finals = cells.loc[
+        ["pipeline.max_lag=0__seed=0", "pipeline.max_lag=0__seed=1", "pipeline.max_lag=0__seed=2"]
+    ]
+    assert seeds.loc[0, "eval_accuracy_final:mean"] == pytest.approx(finals["eval_accuracy_final"].mean())

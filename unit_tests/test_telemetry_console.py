@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from asyncrl import ray_internals
 from asyncrl.telemetry import console
 
 HARMLESS = [
@@ -104,21 +105,22 @@ def test_the_filter_replaces_rays_handler_and_forwards_real_lines(monkeypatch) -
     monkeypatch.setattr(
         ray_worker, "print_to_stdstream", lambda data, ignore_prefix: printed.append(data["lines"])
     )
-    monkeypatch.setattr(dispatcher, "handlers", [(console.RAY_HANDLER, lambda data: printed.append(["raw"]))])
+    raw = lambda data: printed.append(["raw"])  # noqa: E731
+    monkeypatch.setattr(dispatcher, "handlers", [(ray_internals.RAY_HANDLER, raw)])
     assert console.install_log_filter()
-    assert [name for name, _ in dispatcher.handlers] == [console.FILTER_HANDLER]
+    assert [name for name, _ in dispatcher.handlers] == [ray_internals.FILTER_HANDLER]
     dispatcher.emit({"lines": [line for _, line in HARMLESS[-3:]], "actor_name": "RayTrainWorker", "pid": 1})
     assert printed == []  # an all-noise batch prints nothing
     dispatcher.emit({"lines": [HARMLESS[11][1], REAL[1][1]], "actor_name": "RayTrainWorker", "pid": 1})
     assert printed == [[REAL[1][1]]]
     # a second ray.init in the same process (the demo runs two pipelines) adds Ray's handler again
-    dispatcher.add_handler(console.RAY_HANDLER, lambda data: printed.append(["raw"]))
+    dispatcher.add_handler(ray_internals.RAY_HANDLER, lambda data: printed.append(["raw"]))
     assert console.install_log_filter()
-    assert [name for name, _ in dispatcher.handlers] == [console.FILTER_HANDLER]
+    assert [name for name, _ in dispatcher.handlers] == [ray_internals.FILTER_HANDLER]
     console.set_verbose(True)
-    monkeypatch.setattr(dispatcher, "handlers", [(console.RAY_HANDLER, None)])
+    monkeypatch.setattr(dispatcher, "handlers", [(ray_internals.RAY_HANDLER, None)])
     assert not console.install_log_filter()  # -v: Ray prints everything
-    assert [name for name, _ in dispatcher.handlers] == [console.RAY_HANDLER]
+    assert [name for name, _ in dispatcher.handlers] == [ray_internals.RAY_HANDLER]
     console.set_verbose(False)
 
 
@@ -129,8 +131,8 @@ def test_error_messages_printed_directly_by_ray_are_filtered_too(monkeypatch) ->
     monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
     printed: list[list[str]] = []
     fake = types.SimpleNamespace(print_to_stdstream=lambda data, ignore_prefix: printed.append(data["lines"]))
-    console._filter_error_messages(fake)
-    console._filter_error_messages(fake)  # once per process: not wrapped twice
+    ray_internals.filter_error_messages(fake, console.forwarded_lines)
+    ray_internals.filter_error_messages(fake, console.forwarded_lines)  # once per process: not wrapped twice
     retried = (
         "Task MapWorker(MapBatches(Generate)).submit failed. There are infinite retries remaining, so the "
         "task will be retried. Error: The actor is dead because it was killed by `ray.kill`."
@@ -142,3 +144,49 @@ def test_error_messages_printed_directly_by_ray_are_filtered_too(monkeypatch) ->
     monkeypatch.setenv(console.VERBOSE_ENV, "1")  # -v: everything
     fake.print_to_stdstream({"lines": [retried], "pid": "raylet"}, ignore_prefix=False)
     assert printed[-1] == [retried]
+
+
+def test_the_filter_fails_open_a_raising_rule_shows_the_line(monkeypatch) -> None:
+    """An exception inside the filter prints the batch as Ray would: noise, never a lost line or a
+    stopped run (both paths: the dispatcher's handler and the error subscriber's printer)."""
+    import types
+
+    pytest.importorskip("ray")
+    from ray._private import worker as ray_worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(ray_internals.DISABLE_ENV, raising=False)
+
+    def broken(line: str, source: str) -> bool:
+        raise ValueError("a rule that cannot be applied")
+
+    monkeypatch.setattr(console, "is_noise", broken)
+    printed: list[list[str]] = []
+    monkeypatch.setattr(
+        ray_worker, "print_to_stdstream", lambda data, ignore_prefix: printed.append(data["lines"])
+    )
+    monkeypatch.setattr(dispatcher, "handlers", [(ray_internals.RAY_HANDLER, lambda data: None)])
+    assert console.install_log_filter()
+    noise = HARMLESS[11][1]
+    dispatcher.emit({"lines": [noise, REAL[1][1]], "actor_name": "RayTrainWorker", "pid": 1})
+    assert printed == [[noise, REAL[1][1]]]  # unfiltered, not dropped
+    fake = types.SimpleNamespace(print_to_stdstream=lambda data, ignore_prefix: printed.append(data["lines"]))
+    ray_internals.filter_error_messages(fake, console.forwarded_lines)
+    fake.print_to_stdstream({"lines": [noise], "pid": "raylet"}, ignore_prefix=False)
+    assert printed[-1] == [noise]
+
+
+def test_an_unknown_ray_keeps_rays_own_printing_with_one_warning(monkeypatch) -> None:
+    pytest.importorskip("ray")
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    monkeypatch.delenv(ray_internals.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(ray_internals, "ray_version", lambda: "3.1.0")
+    monkeypatch.setattr(ray_internals, "_warned", set())
+    ray_handler = lambda data: None  # noqa: E731
+    monkeypatch.setattr(dispatcher, "handlers", [(ray_internals.RAY_HANDLER, ray_handler)])
+    with pytest.warns(ray_internals.RayPatchSkipped, match="log_filter"):
+        assert not console.install_log_filter()
+    assert dispatcher.handlers == [(ray_internals.RAY_HANDLER, ray_handler)]  # Ray's own, untouched

@@ -1,6 +1,6 @@
 """Gradient diagnostics (asyncrl.telemetry.gradients): the estimator's gradient against the exact
-dense-KL gradient on the same batch, split-half variance, per-bucket norms, which blocks carry the
-dense logits, the consecutive-gradient cosine, and the plan-time refusals."""
+dense-KL gradient on the same batch, the row-group cross-product bias and variance, per-bucket norms,
+which blocks carry the dense logits, the consecutive-gradient cosine, and the plan-time refusals."""
 
 from __future__ import annotations
 
@@ -125,36 +125,49 @@ def test_mc_noise_falls_with_m_and_the_online_estimator_is_unbiased(pair) -> Non
     assert bias_topk > 0.1 and bias_topk > 5 * abs(bias_mc)
 
 
-def test_compare_formulas_on_known_halves() -> None:
-    """Constant bias c: noise 0, bias^2 = |c|^2/|g|^2; halves weighted by their counts."""
-    ref_a, ref_b = (
-        torch.tensor([1.0, 0.0], dtype=torch.float64),
-        torch.tensor([0.0, 2.0], dtype=torch.float64),
-    )
+def test_decompose_formulas_on_known_groups() -> None:
+    """Constant per-token bias c in every group: B = |c|^2 exactly, noise 0; groups weighted by counts."""
+    refs = [torch.tensor(v, dtype=torch.float64) for v in ([1.0, 0.0], [0.0, 2.0], [1.0, 1.0], [3.0, -1.0])]
+    counts = [1.0, 3.0, 2.0, 4.0]
     c = torch.tensor([0.5, -0.5], dtype=torch.float64)
-    out = G._compare([G._Half(ref_a + c, ref_a, 1.0), G._Half(ref_b + c, ref_b, 3.0)])
-    g = 0.25 * ref_a + 0.75 * ref_b
-    assert out[N.GRADREF_NOISE_REL] == pytest.approx(0.0, abs=1e-15)
+    out = G._decompose([G._Group(r + c, r, n) for r, n in zip(refs, counts)])
+    g = sum(r * n for r, n in zip(refs, counts)) / sum(counts)
+    assert out[N.GRADREF_BIAS_SQ] == pytest.approx(float(c.dot(c)))
+    assert out[N.GRADREF_NOISE_SQ] == pytest.approx(0.0, abs=1e-12)
     assert out[N.GRADREF_BIAS_SQ_REL] == pytest.approx(float(c.dot(c) / g.dot(g)))
-    assert out["gradref/ref_var_rel"] == pytest.approx(
-        0.25 * 0.75 * float((ref_a - ref_b).square().sum() / g.dot(g))
-    )
+    assert out[N.GRADREF_REF_SQ] == pytest.approx(float(g.dot(g)))
     assert out["gradref/norm_ref"] == pytest.approx(float(g.norm()))
+    assert out[N.GRADREF_GROUPS] == 4
 
 
-def test_split_half_variance_is_unbiased_for_independent_noise() -> None:
-    """est_h = ref + noise_h with Var(noise_h) = s^2/n_h per coordinate: E[noise_rel] = trace Var(ĝ)/|g|^2."""
-    gen = torch.Generator().manual_seed(0)
-    ref, d, s2 = torch.ones(50, dtype=torch.float64), 50, 0.3
-    na, nb = 10.0, 30.0
-    vals = []
+def test_cross_product_is_unbiased_where_split_half_is_not() -> None:
+    """Heavy-tailed, unequal-variance groups (rows of different lengths whose tokens share one draw):
+    the cross-product B averages to the true |b|^2 = 0 while the split-half formula the probe used to
+    have, |d|^2 − w_A w_B |d_A − d_B|^2, does not (its diagonal terms leak the variance)."""
+    gen = np.random.default_rng(0)
+    dim, b = 20, np.zeros(20)
+    cross, split = [], []
     for _ in range(4000):
-        ea = ref + torch.randn(d, generator=gen, dtype=torch.float64) * math.sqrt(s2 / na)
-        eb = ref + torch.randn(d, generator=gen, dtype=torch.float64) * math.sqrt(s2 / nb)
-        vals.append(G._compare([G._Half(ea, ref, na), G._Half(eb, ref, nb)]))
-    truth = d * s2 / (na + nb) / float(ref.dot(ref))
-    assert np.mean([v[N.GRADREF_NOISE_REL] for v in vals]) == pytest.approx(truth, rel=0.05)
-    assert np.mean([v[N.GRADREF_BIAS_SQ_REL] for v in vals]) == pytest.approx(0.0, abs=0.05 * truth)
+        lengths = gen.choice([1, 16], size=8)  # tokens per row
+        sums = [n * (b + gen.standard_t(3, size=dim)) for n in lengths]  # a row's tokens share a draw
+        groups = [
+            G._Group(
+                torch.from_numpy(sum(sums[k::4]) / lengths[k::4].sum()),
+                torch.zeros(dim, dtype=torch.float64),
+                float(lengths[k::4].sum()),
+            )
+            for k in range(4)
+        ]
+        cross.append(G._decompose(groups)[N.GRADREF_BIAS_SQ])
+        na, nb = float(lengths[0::2].sum()), float(lengths[1::2].sum())
+        da, db = sum(sums[0::2]) / na, sum(sums[1::2]) / nb
+        d = (na * da + nb * db) / (na + nb)
+        w = na * nb / (na + nb) ** 2
+        split.append(float(d @ d - w * (da - db) @ (da - db)))
+    cross, split = np.array(cross), np.array(split)
+    se_c, se_s = cross.std(ddof=1) / math.sqrt(len(cross)), split.std(ddof=1) / math.sqrt(len(split))
+    assert abs(cross.mean()) < 4 * se_c
+    assert abs(split.mean()) > 6 * se_s  # the old estimator is biased here
 
 
 def test_keep_restricts_and_buckets_get_gradient_norms(pair) -> None:

@@ -129,6 +129,9 @@ def test_messages_errors_are_one_line(tmp_path) -> None:
     plain = char_tokenizer()
     plain.chat_template = None
     assert "no chat template" in bad([[{"role": "user", "content": "q"}]], plain)
+    plain.name_or_path = "/models/student"  # what a tokenizer loaded from a checkpoint says
+    msg = bad([[{"role": "user", "content": "q"}]], plain)
+    assert "'f.jsonl'" in msg and "student checkpoint '/models/student'" in msg and "save_pretrained" in msg
 
 
 def test_metadata_is_every_other_column_as_json() -> None:

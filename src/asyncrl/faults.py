@@ -10,6 +10,9 @@ kind has one injection point:
 - ``nonfinite_step: k`` (with ``nonfinite_count: n``): the student's logits (so the loss and the
   gradient) are NaN in n attempts in a row from the first attempt at optimizer step k on (a
   skipped step does not advance the step count, so its retry is the next attempt), once per run;
+- ``skip_weight_load: k``: a generator's engine skips its k-th weight load (it keeps the weights it
+  holds and stamps the new version on its tokens: the update never arrived), which the provenance
+  check (``pipeline.provenance``) must catch;
 - ``generator_delay_p`` / ``generator_delay_s``: a generator sleeps up to ``s`` seconds before a
   block with probability ``p`` (seeded per block), the slow-generator soak.
 
@@ -51,11 +54,16 @@ class FaultConfig:
     nonfinite_count: int = field(
         1, help="chaos testing: how many step attempts in a row nonfinite_step lasts"
     )
+    skip_weight_load: int = field(
+        0,
+        help="chaos testing: a generator's engine skips its k-th weight load but claims the new version "
+        "(once per run); 0 = off",
+    )
     generator_delay_p: float = field(0.0, help="chaos testing: probability a generator sleeps before a block")
     generator_delay_s: float = field(0.0, help="chaos testing: longest such sleep (uniform), seconds")
 
     def __post_init__(self) -> None:
-        for name in ("generator_exit", "scorer_exit", "learner_exit", "nonfinite_step"):
+        for name in ("generator_exit", "scorer_exit", "learner_exit", "nonfinite_step", "skip_weight_load"):
             check(getattr(self, name) >= 0, name, getattr(self, name), "use 0 (off) or a count k >= 1")
         check(self.nonfinite_count >= 1, "nonfinite_count", self.nonfinite_count, "use an integer >= 1")
         check(

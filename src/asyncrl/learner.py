@@ -45,10 +45,19 @@ from asyncrl.backends import learner_backend
 from asyncrl.collectives import Collectives
 from asyncrl.config import RunConfig
 from asyncrl.controllers import build_chain
-from asyncrl.coordinator import BackgroundPublisher, LocalWeights, PolicyStoreClient, publishable_state
+from asyncrl.coordinator import (
+    PUBLISH_BYTES,
+    PUBLISH_SNAPSHOT_S,
+    BackgroundPublisher,
+    LocalWeights,
+    PolicyStoreClient,
+    publishable_state,
+)
 from asyncrl.estimators import build as build_estimator
 from asyncrl.faults import NO_FAULTS, Faults, InjectedNaN
+from asyncrl.lora import policy_state, state_bytes
 from asyncrl.plan import kept_versions
+from asyncrl.provenance import ProvenanceCheck, ProvenanceError
 from asyncrl.rollouts import RunAhead, StreamFailed, rollout_batches, started_early, taken
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry.gradients import LearnerGradients
@@ -66,6 +75,10 @@ class LearnerSpec:
     namespace: str
     store_name: str
     eval_prompts: list[tuple[str, str]]  # (prompt, answer) held-out split
+    #: the teacher checkpoint (None for RL) and, for prompts without answers, the held-out prompts'
+    #: token ids the agreement eval scores against it (``asyncrl.plan.EvalPlan``)
+    teacher_dir: str | None = None
+    agreement_prompts: list[list[int]] | None = None
     faults: Faults = NO_FAULTS
     #: the rollout stream's factory (``asyncrl.pipeline.StreamFactory``) when this worker is the
     #: only learner: it builds its Ray Data stream itself at every (re)start, instead of through
@@ -90,7 +103,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         return
     try:
         _train(spec, started_at)
-    except StreamFailed as err:  # every rank whose stream raised leaves the same note
+    except (StreamFailed, ProvenanceError) as err:  # every rank whose stream raised leaves the same note
         checkpoint.write_stream_failure(spec.run_dir, str(err))
         raise
 
@@ -140,18 +153,19 @@ def _steps(
     for batch in batches:
         t_got = time.perf_counter()
         w.steps.first_batch()
+        checked = w.provenance.check(batch)  # the weights each block was sampled with (asyncrl.provenance)
         keep = w.parts.controllers.keep(sample_info(batch), w.version)
         consumed = [0, 0]  # (trained, dropped) samples of the rollout batch
         for i, (mb, mb_keep) in enumerate(split_minibatches(batch, keep, tc.minibatches)):
             version = w.version
-            extra = w.gradients.before(mb, mb_keep, version) if i == 0 else {}
+            extra = w.gradients.before(mb, mb_keep, version) | checked if i == 0 else {}
             with w.injected_nan(version + 1):
                 result = loss_step(mb, w.parts, version, keep=mb_keep)
             extra |= w.gradients.after(result, w.parts.backend)
             consumed = [c + n for c, n in zip(consumed, result.consumed)]
             t_computed = time.perf_counter()
             w.publish(result, consumed=tuple(consumed) if i == tc.minibatches - 1 else None)
-            w.steps.log(mb, result, version, t_got=t_got, t_computed=t_computed, extra=extra)
+            w.steps.log(mb, result, version, t_got=t_got, t_computed=t_computed, extra=extra | w.published)
             w.guard.update(result)
             if w.rank0 and result.stepped:
                 spec.faults.exit_if("learner_exit", w.version)
@@ -181,7 +195,9 @@ class Learner:
         # checkpoint of this run directory (the driver removed those of an earlier run)
         resume = checkpoint.latest(spec.run_dir)
         model_dir = Path(resume, checkpoint.MODEL_DIR) if resume else Path(spec.student_dir)
-        backend = learner_backend(cfg, model_dir, self.comm.world, checkpointed=resume is not None)
+        backend = learner_backend(
+            cfg, model_dir, self.comm.world, checkpointed=resume is not None, base_dir=spec.student_dir
+        )
         self.parts = StepParts(
             backend=backend,
             estimator=build_estimator(cfg.estimator.name, dict(cfg.estimator.options)),
@@ -223,12 +239,17 @@ class Learner:
         keep = kept_versions(cfg) + 2 * tc.minibatches
         self.local = LocalWeights(keep=keep) if colocated_thread else None
         self.steps = StepLogger(spec, self.comm, backend.module, resumed=restored)
+        #: the fingerprints of the versions a consumed block may carry (every rank checks its own)
+        keep_fp = kept_versions(cfg) + pc.max_lag + 2 * tc.minibatches + 2
+        self.provenance = ProvenanceCheck(pc.provenance, keep=keep_fp)
+        self.published: dict[str, float] = {}  # the last publication's size and snapshot time (rank 0)
 
     def start(self) -> None:
         """Publish the starting weights (admission opens), then evaluate them (a fresh run): the
         first rollout batch is generated and scored while the step-0 eval runs, not after it
         (colocated lock-step: after it, in this process; a rollout thread: beside it)."""
         self.keep_local()
+        self.provenance.record(self.version, policy_state(self.parts.backend.module))
         if self.rank0:
             self.store.start(self.weights(), self.version)
         self.steps.start(self.version)
@@ -240,8 +261,16 @@ class Learner:
         self.version = result.version
         if result.stepped:
             self.keep_local()
+            self.provenance.record(self.version, policy_state(self.parts.backend.module))
         if self.rank0 and (result.stepped or consumed is not None):
-            self.publisher.submit(self.weights(), self.version, consumed)
+            t0 = time.perf_counter()
+            weights = self.weights()
+            if weights is not None:
+                self.published = {
+                    PUBLISH_BYTES: float(state_bytes(weights)),
+                    PUBLISH_SNAPSHOT_S: time.perf_counter() - t0,
+                }
+            self.publisher.submit(weights, self.version, consumed)
 
     def keep_local(self) -> None:
         """Every rank: this version's snapshot for the rollout thread of this process, if it has one."""

@@ -5,8 +5,8 @@
       -> map_batches(Generate, actor pool)      admitted by the PolicyStore in block order
       -> map_batches(ScoreTeacher | ScoreReward, actor pool)
          (pipeline.fuse_scoring: one map_batches(GenerateAndScore) does both per block)
-      -> Ray Train TorchTrainer (asyncrl.raytrain.Trainer: less Ray Train's helper processes a local
-         run cannot use; train_loop_per_worker in asyncrl.learner), blocks in the same order
+      -> Ray Train TorchTrainer (asyncrl.ray_internals.torch_trainer: less Ray Train's helper processes
+         a local run cannot use; train_loop_per_worker in asyncrl.learner), blocks in the same order
            rank 0 publishes weights after every optimizer step and releases each rollout batch
 
 ``pipeline.colocate`` (strict on-policy): the stream carries the prompt blocks only, and each learner
@@ -20,18 +20,18 @@ order (Ray Data ``preserve_order``; with W learner workers the split hands rank 
 nor train a sample later than the controller chain admitted it for. ``max_lag = 0`` is strict
 synchronous on-policy training through the same graph.
 
-Latency choices (measured in shared/research/raydata_latency.md): one task in flight per
-actor (Ray Data's default of 2 keeps a gated task active and adds 100 ms ticks; with the executor
-patch a second task saved 5-7 % of throughput, but 4 generators at ``max_lag=0`` then stalled
-after step 5: block 5 was admitted and never reached the learner, while the other actors' queued
-tasks waited for admission; cause not pinned down, so one it stays, 2026-12-01), consumer
+Latency choices (docs/performance.md, "Ray Data's scheduling loop"): one task in flight per
+actor (Ray Data's default of 2 keeps a gated task active and adds a tick per hand-off; with the
+executor patch a second task was a little faster, but 4 generators at ``max_lag=0`` then stalled:
+an admitted block never reached the learner while the other actors' queued tasks waited for
+admission; cause not pinned down, so one it stays: docs/known_issues.md), consumer
 ``prefetch_batches=0`` (lock-step deadlocks otherwise), no shard locality (deadlocks with
 small blocks), and with one learner worker the executor runs inside that worker, which skips
 the OutputSplitter hop: that worker builds the stream itself (``LearnerSpec.stream``), so no
 Ray Train DatasetManager process has to start (and import torch) before the stream can; and
-``asyncrl.raytrain.Trainer`` starts none for a trainer without datasets.
+``asyncrl.ray_internals.torch_trainer`` starts none for a trainer without datasets.
 
-Faults (``README.md`` "Reliability"): a dead generator or scorer actor is restarted by Ray Data
+Faults (``docs/reliability.md``): a dead generator or scorer actor is restarted by Ray Data
 and its block re-run (a generator's under the same admission); a dead learner worker makes Ray
 Train restart the worker group (``pipeline.max_learner_failures``), and the stream is rebuilt by
 ``StreamFactory`` (called at every start of the worker group: by Ray Train, or by the single
@@ -71,6 +71,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class RunResult:
+    """What ``run`` returns: the run directory (``config.yaml``, ``metrics.jsonl``,
+    ``samples.parquet``, ``summary.json``, ``checkpoints/``), its summary and the resolved config."""
+
     run_dir: Path
     summary: dict[str, Any]
     config: RunConfig
@@ -87,14 +90,13 @@ def ray_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     env_vars = {**RAY_ENV, **console.quiet_env()}
     if not cfg.pipeline.ray_address:
         env_vars |= {k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}
-        env_vars[LOCAL_RAY_MARKER] = "1"  # asyncrl.raytrain.is_local: no autoscaler, stops with the run
+        env_vars[LOCAL_RAY_MARKER] = "1"  # ray_internals.is_local: no autoscaler, stops with the run
     return runtime_env(env_vars, cfg.pipeline.data_tick_s)
 
 
 #: ``_system_config`` of a local Ray instance a run starts: Ray starts idle workers for the first
 #: driver, without the run's runtime_env, so no actor of the run can use them: 2 processes' imports
-#: (about 0.8 s of CPU) during the start-up, when every core is busy (measured: first step 0.3-0.5 s
-#: later with them)
+#: during the start-up, when every core is busy (docs/performance.md, "Start-up")
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
@@ -459,8 +461,8 @@ class Prepared:
 
     cfg: RunConfig
     plan: RunPlan
-    #: the held-out prompts the learner evaluates on
-    eval_ex: list[Any]
+    #: the held-out prompts the learner evaluates on (``asyncrl.plan.EvalPlan``)
+    evals: Any
     #: a fresh run's prompt blocks (None: the stream's factory cuts them itself)
     fresh: list[dict[str, np.ndarray]] | None
 
@@ -472,7 +474,7 @@ def prepare_driver(cfg: RunConfig) -> Prepared:
     needs next (``import_run_modules``: torch, Ray Train, the learner) and a fresh run's prompt
     blocks. A failed check is raised (``run`` stops the Ray it started, then raises it); a failure
     to cut the blocks is left to the stream's factory, which cuts them itself and raises it there."""
-    from asyncrl.plan import load_examples, make_plan
+    from asyncrl.plan import eval_plan, load_examples, make_plan
 
     # idempotent: a config loaded by load_config is resolved already; one built in code or parsed
     # (``parse_config``, the CLI's) is resolved here, and may still say sampling.max_new_tokens=auto
@@ -484,6 +486,9 @@ def prepare_driver(cfg: RunConfig) -> Prepared:
     prepare_run_dir(plan)
     save_config(cfg, run_dir / "config.yaml")
     train_ex, eval_ex = load_examples(cfg)
+    evals = eval_plan(cfg, plan.models, eval_ex[: cfg.train.eval_size])
+    if evals.note and cfg.telemetry.progress:
+        print(evals.note, flush=True)
     import_run_modules()
     fresh = None
     if plan.prompts is None and plan.resume_dir is None:
@@ -491,7 +496,7 @@ def prepare_driver(cfg: RunConfig) -> Prepared:
             fresh = fresh_blocks(plan, train_ex)
         except Exception:  # raised again where StreamFactory cuts them
             fresh = None
-    return Prepared(cfg, plan, eval_ex, fresh)
+    return Prepared(cfg, plan, evals, fresh)
 
 
 def import_run_modules() -> None:
@@ -502,7 +507,7 @@ def import_run_modules() -> None:
 
     for name in (
         "ray.train.torch",
-        "asyncrl.raytrain",
+        "asyncrl.ray_internals",
         "asyncrl.learner",
         "asyncrl.coordinator",
         "asyncrl.telemetry.summary",
@@ -543,7 +548,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             if started:
                 ray.shutdown()
             raise
-    cfg, plan, eval_ex, fresh = ready.cfg, ready.plan, ready.eval_ex, ready.fresh
+    cfg, plan, evals, fresh = ready.cfg, ready.plan, ready.evals, ready.fresh
     run_dir = Path(cfg.run_dir)
     from ray.train import DataConfig, FailureConfig, ScalingConfig
     from ray.train import RunConfig as TrainRunConfig
@@ -553,7 +558,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     from asyncrl.coordinator import PolicyStore
     from asyncrl.learner import LearnerSpec, train_loop_per_worker
     from asyncrl.plan import check_cpus, check_gpus, kept_versions
-    from asyncrl.raytrain import Trainer, is_local
+    from asyncrl.ray_internals import is_local, torch_trainer
     from asyncrl.rollouts import StreamFailed
     from asyncrl.telemetry import names as N
     from asyncrl.telemetry.sinks import write_summary
@@ -587,12 +592,14 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             run_dir=str(run_dir),
             namespace=namespace,
             store_name=store_name,
-            eval_prompts=[(e.prompt, e.answer) for e in eval_ex[: cfg.train.eval_size]],
+            eval_prompts=[(e.prompt, e.answer) for e in evals.examples],
+            teacher_dir=plan.models.teacher_dir,
+            agreement_prompts=evals.prompt_ids,
             faults=faults_of(cfg),
             stream=stream if single else None,
             colocated=stage_specs(plan, namespace, store_name) if pc.colocate else None,
         )
-        trainer = Trainer(
+        trainer = torch_trainer(
             train_loop_per_worker,
             local=is_local(),
             train_loop_config={"spec": spec},

@@ -91,10 +91,16 @@ def kept_versions(cfg: RunConfig) -> int:
 # --- models ----------------------------------------------------------------------------------------
 def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
     """Find the teacher and student checkpoints and check them without loading weights (complete,
-    weight files intact, one vocabulary); fail with the command that creates them."""
-    from asyncrl.workloads.checkpoints import check_pair, read_meta, run_dir_for
+    weight files intact, one vocabulary); fail with the command that creates them. A ``.gguf``
+    path is converted once to a cached checkpoint directory (``asyncrl.workloads.gguf.materialize``),
+    which is what the rest of the run sees."""
+    from asyncrl.workloads.checkpoints import CheckpointError, check_pair, read_meta, run_dir_for
+    from asyncrl.workloads.gguf import materialize
+    from asyncrl.workloads.real import PREPARED_FILE, is_real, prepare_hint
+    from asyncrl.workloads.real import paths as real_paths
 
     w = cfg.workload
+    sources: dict[str, str] = {}  # converted directory -> the GGUF file it came from
     if w.student_path or w.teacher_path:
         teacher_dir, student_dir = w.teacher_path, w.student_path
         if student_dir is None:
@@ -103,13 +109,34 @@ def resolve_models(cfg: RunConfig, *, rl: bool) -> ModelPaths:
             raise ValueError(
                 f"workload.teacher_path is required: estimator {cfg.estimator.name!r} distils from a teacher"
             )
+        given = {"teacher": teacher_dir, "student": student_dir}
+        found = {
+            r: materialize(p, w.cache_dir, field=f"workload.{r}_path") if p else None
+            for r, p in given.items()
+        }
+        sources = {str(Path(found[r]).resolve()): str(given[r]) for r in given if found[r] != given[r]}
+        teacher_dir, student_dir = found["teacher"], found["student"]
+    elif is_real(w.preset):  # asyncrl prepare's directories
+        made = real_paths(w.preset, w.cache_dir)
+        if not Path(made["root"], PREPARED_FILE).is_file():
+            hint = prepare_hint(w.preset, w.cache_dir)
+            raise CheckpointError(f"real preset {w.preset!r} is not prepared in {made['root']}; {hint}")
+        teacher_dir, student_dir = made["teacher_dir"], made["student_dir"]
     else:
         root = run_dir_for(w.task, w.preset, w.pretrain_seed, w.cache_dir)
         teacher_dir, student_dir = str(root / "teacher"), str(root / "student")
     # absolute: Ray actors and Train workers do not run in the driver's working directory
     teacher_dir = str(Path(teacher_dir).resolve()) if teacher_dir else None
     student_dir = str(Path(student_dir).resolve())
-    check_pair(teacher_dir or student_dir, student_dir)  # missing/incomplete/truncated dirs, vocab mismatch
+    try:  # missing/incomplete/truncated dirs, vocab mismatch
+        check_pair(teacher_dir or student_dir, student_dir)
+    except ValueError as err:  # name the GGUF file a converted directory came from
+        if not sources:
+            raise
+        msg = str(err)
+        for d, gguf in sources.items():
+            msg = msg.replace(d, f"{d} (converted from {gguf})")
+        raise type(err)(msg) from None
     tmeta = read_meta(teacher_dir) if teacher_dir else {}
     smeta = read_meta(student_dir)
     return ModelPaths(
@@ -169,9 +196,8 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     # it decides what it can serve for this checkpoint (MC draws, kernels, its extra)
     engine = ENGINES.get(cfg.pipeline.engine)
     check_engine(engine, cfg.pipeline.engine, generator_engine_options(cfg))
-    engine.check_supported(
-        student_dir, SamplingParams(**to_dict(cfg.sampling)), **dict(cfg.pipeline.engine_options)
-    )
+    options = lora_engine_options(cfg, cfg.pipeline.engine_options)
+    engine.check_supported(student_dir, SamplingParams(**to_dict(cfg.sampling)), **options)
     pc = cfg.pipeline
     chain = build_chain(controller_specs(cfg))
     check_composition(estimator, chain)  # estimator x controller pairings with no documented gradient
@@ -231,12 +257,21 @@ def generator_engine_options(cfg: RunConfig) -> dict[str, Any]:
     from asyncrl.engines import ENGINES, HFEngine, VLLMEngine
 
     pc = cfg.pipeline
-    options = dict(pc.engine_options)
+    options = lora_engine_options(cfg, pc.engine_options)
     engine = ENGINES.get(pc.engine)  # also a dotted path, e.g. to a subclass
     if pc.device == "cuda" and isinstance(engine, type) and issubclass(engine, HFEngine):
         options.setdefault("device", "cuda")
     if pc.device == "cuda" and isinstance(engine, type) and issubclass(engine, VLLMEngine):
         options.setdefault("gpu_memory_utilization", round(0.9 * min(pc.gpus_per_actor, 1.0), 4))
+    return options
+
+
+def lora_engine_options(cfg: RunConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` plus ``lora`` (``train.lora``'s options) for a LoRA student: the engines build the
+    same adapters on the base student and load adapter versions (``asyncrl.lora``)."""
+    options = dict(options)
+    if cfg.train.lora is not None:
+        options["lora"] = cfg.train.lora.options()
     return options
 
 
@@ -303,14 +338,21 @@ def check_local_resources(cfg: RunConfig, *, rl: bool) -> None:
 
 def absolute_paths(cfg: RunConfig) -> RunConfig:
     """Workers do not share the driver's working directory: make every local path absolute."""
+    from asyncrl.workloads import real
+
     w = cfg.workload
+    prompts, evals = w.prompts_path, w.eval_prompts_path
+    if real.is_real(w.preset) and not (w.teacher_path or w.student_path):  # its prepared prompt splits
+        made = real.paths(w.preset, w.cache_dir)
+        prompts, evals = prompts or made["train_prompts"], evals or made["eval_prompts"]
     return replace(
         cfg,
         run_dir=str(Path(cfg.run_dir).resolve()),
         workload=replace(
             w,
             cache_dir=str(Path(w.cache_dir).resolve()),
-            prompts_path=str(Path(w.prompts_path).resolve()) if w.prompts_path else None,
+            prompts_path=str(Path(prompts).resolve()) if prompts else None,
+            eval_prompts_path=str(Path(evals).resolve()) if evals else None,
         ),
     )
 
@@ -354,6 +396,59 @@ def load_examples(cfg: RunConfig) -> tuple[list[Any] | None, list[Any]]:
     return train, evals
 
 
+@dataclass(frozen=True)
+class EvalPlan:
+    """What the learner evaluates: ``kind`` ``exact_match`` (``examples``: prompt/answer pairs of
+    the task or of an eval file with answers) or ``agreement`` (``prompt_ids``: token ids of
+    held-out prompts without answers, scored against the teacher: ``asyncrl.workloads.agreement``).
+    ``note``: said to the user when the eval prompts are not held out."""
+
+    kind: str
+    examples: list[Any]
+    prompt_ids: list[list[int]] | None = None
+    source: str | None = None
+    note: str | None = None
+
+
+def eval_plan(cfg: RunConfig, models: ModelPaths, examples: list[Any]) -> EvalPlan:
+    """Choose the eval. Prompts without a reference answer have no verifier: a run with a teacher
+    evaluates them by agreement with it. ``workload.eval_prompts_path`` (else the training file
+    ``workload.prompts_path``, with a note) gives the prompts, its first ``train.eval_size`` rows;
+    rows that all carry answers keep exact match (on the eval file's own rows when it was given,
+    else, as before, on the task's held-out split); an RL run always uses exact match."""
+    from asyncrl.workloads import prompts as P
+    from asyncrl.workloads.checkpoints import shared_tokenizer
+    from asyncrl.workloads.tasks import Example
+
+    w = cfg.workload
+    path = w.eval_prompts_path or w.prompts_path
+    if models.teacher_dir is None or path is None:
+        return EvalPlan("exact_match", examples)
+    source = P.PromptSource.open(path)
+    pieces = source.head(cfg.train.eval_size)
+    answers = [
+        a
+        for _, t, _ in pieces
+        for a in (t.column(P.ANSWER).to_pylist() if P.ANSWER in t.column_names else [])
+    ]
+    rows = sum(t.num_rows for _, t, _ in pieces)
+    if rows and len(answers) == rows and all(isinstance(a, str) and a.strip() for a in answers):
+        if w.eval_prompts_path and source.prompt_column == P.PROMPT:
+            texts = [p for _, t, _ in pieces for p in t.column(P.PROMPT).to_pylist()]
+            own = [Example(prompt=p, answer=a, prompt_id=i) for i, (p, a) in enumerate(zip(texts, answers))]
+            return EvalPlan("exact_match", own, source=w.eval_prompts_path)
+        return EvalPlan("exact_match", examples)
+    tokenizer = shared_tokenizer(models.student_dir)
+    ids = [i for f, t, _ in pieces for i in P.prompt_token_ids(t, source.prompt_column, tokenizer, f)]
+    note = None
+    if not w.eval_prompts_path:
+        note = (
+            f"eval: agreement with the teacher on the first {len(ids)} rows of the training prompts "
+            f"(workload.prompts_path); set workload.eval_prompts_path to held-out prompts"
+        )
+    return EvalPlan("agreement", [], prompt_ids=[list(map(int, i)) for i in ids], source=path, note=note)
+
+
 def stream_blocks(cfg: RunConfig) -> int:
     """Blocks the stream offers a run: every rollout batch, the ``max_lag`` ahead and a margin,
     plus a quarter for dropped samples."""
@@ -385,6 +480,9 @@ def check_prompts(cfg: RunConfig, models: ModelPaths | None, *, source: PromptSo
     from asyncrl.workloads.tasks import prompt_token_ids
 
     tokenizer = shared_tokenizer(models.student_dir)
+    chats = source is not None and source.prompt_column == P.MESSAGES
+    if chats and not getattr(tokenizer, "chat_template", None):  # rendered with the student's template
+        raise ValueError(P.no_chat_template(source.path, models.student_dir))
     dirs = [d for d in (models.student_dir, models.teacher_dir) if d]
     contexts = [c for c in (context_length(d) for d in dirs) if c]
     context = min(contexts) if contexts else None

@@ -44,6 +44,11 @@ SAMPLE_ID = "sample_id"
 PROMPT_ID = "prompt_id"
 VERSION_FIRST = "version_first"
 VERSION_LAST = "version_last"
+#: per sample: the fingerprint of the weights its tokens were sampled with, as the engine measured
+#: them after loading (asyncrl.provenance; one version: that version's, several: combined in order)
+WEIGHTS_FINGERPRINT = "weights_fingerprint"
+#: per sample (a string, not a tensor column): which engine generated it (kind, node, process, actor)
+GEN_ENGINE = "gen_engine"
 #: position of a sample's input block in the prompt stream (admission and consumption order)
 BLOCK_INDEX = "block_index"
 #: non-tensor columns of a prompt row: the reference answer (a string) and, for prompt files, the
@@ -95,6 +100,7 @@ COLUMNS: dict[str, Column] = {
         Column(PROMPT_ID, ("B",), "int", "index of the prompt in its source"),
         Column(VERSION_FIRST, ("B",), "int", "version of the first generated token"),
         Column(VERSION_LAST, ("B",), "int", "version of the last generated token"),
+        Column(WEIGHTS_FINGERPRINT, ("B",), "int", "fingerprint of the weights that generated the sample"),
     ]
 }
 

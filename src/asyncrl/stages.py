@@ -32,6 +32,7 @@ from asyncrl.coordinator import CoordinatorError, LocalWeights, PolicyStoreClien
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
 from asyncrl.faults import NO_FAULTS, Faults
+from asyncrl.provenance import NO_FINGERPRINT, combine, row_versions
 from asyncrl.records import pad_to
 from asyncrl.registry import RegistryError
 
@@ -47,6 +48,33 @@ def node_id() -> str:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+
+
+def engine_identity(engine: object) -> str:
+    """Who generated a block (``records.GEN_ENGINE``): the engine kind, its Ray actor, process and node."""
+    import ray
+
+    actor = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+    where = f"actor {actor[:12]}" if actor else "no actor"
+    kind = getattr(engine, "name", type(engine).__name__)
+    return f"{kind} ({where}, pid {os.getpid()}, node {node_id()[:12]})"
+
+
+def sample_fingerprints(
+    engine: object, versions: torch.Tensor, mask: torch.Tensor, first: torch.Tensor
+) -> np.ndarray:
+    """Per sample, the fingerprint of the weights its tokens came from, as the engine measured them
+    after loading (``engine.fingerprints``: version -> fingerprint; ``asyncrl.provenance``), combined
+    over the versions of its tokens; ``NO_FINGERPRINT`` from an engine that keeps none."""
+    fps = getattr(engine, "fingerprints", None) or {}
+    rows = row_versions(versions.numpy(), mask.numpy(), first.numpy())
+    memo: dict[tuple[int, ...], int] = {}
+    out = np.empty(len(rows), dtype=np.int64)
+    for i, vs in enumerate(rows):
+        if vs not in memo:
+            memo[vs] = combine(fps.get(v, NO_FINGERPRINT) for v in vs)
+        out[i] = memo[vs]
+    return out
 
 
 def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -111,6 +139,8 @@ class Generate:
         self.stream = stream
         self.faults = faults
         self.max_engine_restarts = max_engine_restarts
+        self.loads = 0  # weight loads asked of the engine (faults.skip_weight_load counts them)
+        self.identity = engine_identity(self.engine)
 
     def _restart_or_fail(self, err: EngineDeadError) -> None:
         """Crash-only recovery: exit this actor's process so Ray Data restarts it (a fresh engine,
@@ -135,7 +165,14 @@ class Generate:
         if newer than ours; None when we hold them)."""
         if admitted["weights"] is not None:
             version, state = admitted["weights"]
-            self.engine.load_weights(state, version)
+            self.loads += 1
+            if self.faults.once("skip_weight_load", self.loads):  # the update never arrives
+                print(
+                    f"asyncrl: fault injected: skip_weight_load at load {self.loads}, v{version}", flush=True
+                )
+                self.engine.weights_updated(version)  # claims the version, keeps the weights it holds
+            else:
+                self.engine.load_weights(state, version)
             self.have_version = version
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -177,6 +214,8 @@ class Generate:
         vlast = torch.where(empty, torch.full_like(vlast, self.engine.version), vlast)
         result[R.VERSION_FIRST] = vfirst.to(torch.int64)
         result[R.VERSION_LAST] = vlast.to(torch.int64)
+        result[R.WEIGHTS_FINGERPRINT] = sample_fingerprints(self.engine, versions, mask, vfirst)
+        result[R.GEN_ENGINE] = np.full(n, self.identity, dtype=object)
         result["ticket"] = np.full(n, admitted["ticket"], dtype=np.int64)
         # the admission's facts, so a run shows what the controller chain decided for each block
         result["admit_version"] = np.full(n, admitted["version"], dtype=np.int64)

@@ -27,7 +27,7 @@ the teacher cache is scored at the same ``tau`` (``asyncrl.caches``), so the obj
 (``z_s = z_t + const``) while every ratio is against the distribution that really sampled.
 
 Composition: ``check_composition`` (called by ``StepParts`` and by ``asyncrl.plan``) refuses
-estimator x controller pairings whose composed gradient would not be the one the README's
+estimator x controller pairings whose composed gradient would not be the one docs/controllers.md's
 table states (e.g. an importance weight ``pi/pi_b`` applied to a loss that already carries it).
 
 Why the rescale: an estimator's ``token_mean`` divides by its *local* token count, and DDP then

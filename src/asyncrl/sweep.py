@@ -703,7 +703,10 @@ def _status(cell: Cell, results: Mapping[str, CellResult]) -> tuple[str, str | N
     result = results.get(cell.key)
     if result is not None and result.status == "failed":
         return "failed", result.error
-    if (cell.run_dir / names.SUMMARY_FILE).exists():
+    summary = read_summary(cell.run_dir) if (cell.run_dir / names.SUMMARY_FILE).exists() else None
+    if summary is not None and summary.get("status") == names.STATUS_FAILED:  # raised: not a result
+        return "failed", summary.get("error")
+    if summary is not None:  # completed, or aborted by the numerics guard: an outcome, counted
         return "done", None
     return ("partial" if (cell.run_dir / names.CONFIG_FILE).exists() else "pending"), None
 

@@ -23,6 +23,10 @@ def scheduled_lr(tc: TrainConfig, step: int) -> float:
 
 
 class LearnerBackend(Protocol):
+    """What ``asyncrl.step.loss_step`` drives: backward, gradients, clipping, the optimizer step and
+    its learning rate, and the state a checkpoint holds. ``TorchBackend`` (DDP) and
+    ``DeepSpeedBackend`` (ZeRO-1/2) implement it."""
+
     name: str
     #: False when gradients are partitioned (ZeRO-2): gradient-transform controllers are refused
     supports_gradient_transform: bool
@@ -31,16 +35,30 @@ class LearnerBackend(Protocol):
     #: what the forward pass calls (DDP / DeepSpeed engine)
     model: torch.nn.Module
 
-    def base_lr(self, step: int) -> float: ...
+    def base_lr(self, step: int) -> float:
+        """The scheduled learning rate at optimizer step ``step`` (``scheduled_lr``)."""
+        ...
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (gradients averaged over data-parallel ranks)."""
+        ...
 
-    def gradients(self) -> list[torch.Tensor]: ...
+    def gradients(self) -> list[torch.Tensor]:
+        """The full gradients, one per parameter (what gradient-transform controllers change)."""
+        ...
 
-    def clip_and_norm(self, max_norm: float) -> float: ...
+    def clip_and_norm(self, max_norm: float) -> float:
+        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
+        ...
 
-    def step(self, step: int, scale: float) -> float: ...
+    def step(self, step: int, scale: float) -> float:
+        """One optimizer step at the scheduled LR times ``scale`` (restored after); returns the LR used."""
+        ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer (and engine) state for a checkpoint."""
+        ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state ``state_dict`` returned."""
+        ...

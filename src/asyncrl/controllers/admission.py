@@ -168,6 +168,7 @@ class AdmissionBudget:
         self.admitted = {i: a for i, a in self.admitted.items() if i >= done}
 
     def counters(self) -> dict[str, int]:
+        """The budget's books: version, blocks and samples dispatched, admitted and released."""
         return {
             "version": self.version,
             "dispatched": self.dispatched,
@@ -179,9 +180,11 @@ class AdmissionBudget:
         }
 
     def metrics(self) -> dict[str, float]:
+        """``counters`` as ``admission/*`` metrics."""
         return {f"admission/{k}": float(v) for k, v in self.counters().items()}
 
     def state_dict(self) -> dict[str, Any]:
+        """The budget's books for a checkpoint (the PolicyStore restores them on resume)."""
         return {
             "batch_size": self.batch_size,
             "version": self.version,

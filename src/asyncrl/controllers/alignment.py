@@ -219,6 +219,10 @@ class GradientAlignment:
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
+    def active_fraction(self) -> float | None:
+        """1 if GAC changed (or skipped) the last step's direction, else 0 (``gac/active``)."""
+        return self._metrics.get("gac/active")
+
     def state_dict(self) -> dict[str, Any]:
         ref = None if self.reference is None else [r.clone() for r in self.reference]
         return {"reference": ref, "n_active": self.n_active}

@@ -82,6 +82,7 @@ class LagBucketDecay:
         table = tuple((float(lo), float(f)) for lo, f in table)
         self.config = LagBucketDecayConfig(mode=mode, table=table, gamma=gamma, lag0=lag0, stat=stat)
         self._metrics: dict[str, float] = {}
+        self._active: float | None = None
 
     def factor(self, lag: float) -> float:
         """``f(lag)``: 1 for fresh samples, non-increasing in lag."""
@@ -95,6 +96,7 @@ class LagBucketDecay:
         stat = float(lags.mean() if self.config.stat == "mean" else lags.max())
         scale = self.factor(stat)
         self._metrics = {"bucket/lr_scale": scale}
+        self._active = float(scale < 1.0 - 1e-6)
         return scale
 
     def token_weights(self, ctx: StepContext) -> torch.Tensor | None:
@@ -104,10 +106,16 @@ class LagBucketDecay:
             [self.factor(float(x)) for x in ctx.lags.tolist()], dtype=ctx.logprobs.dtype
         )
         self._metrics = {"bucket/weight_mean": float(per_sample.mean()) if per_sample.numel() else 1.0}
+        self._active = float((per_sample < 1.0 - 1e-6).double().mean()) if per_sample.numel() else 0.0
         return per_sample[:, None].expand_as(ctx.logprobs).to(ctx.logprobs.device)
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def active_fraction(self) -> float | None:
+        """batch_lr: 1 if it scaled the last step's LR below 1; sample_weight: the fraction of the last
+        step's samples it down-weighted."""
+        return self._active
 
     def state_dict(self) -> dict[str, Any]:
         return {}

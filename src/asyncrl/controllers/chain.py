@@ -14,7 +14,9 @@ hooks (see ``asyncrl.controllers.base`` for their order):
 ``transform_update`` applied in chain order, after the optimizer step (hook 6)
 ``after_step``     every controller
 ``metrics``        merged; a key already emitted by an earlier controller is prefixed
-                   with the later controller's name
+                   with the later controller's name; plus ``active/<name>`` per controller
+                   (its acting fraction at this step: its ``active_fraction()``, or for a
+                   ``keep``-only controller the fraction of this step's samples it dropped)
 ``state_dict``     keyed by controller name (duplicates become ``name_1``, ``name_2``, ...)
 ================== =====================================================================
 
@@ -171,6 +173,22 @@ def _unique(names: list[str]) -> list[str]:
     return out
 
 
+#: metric prefix of each controller's acting fraction (``asyncrl.telemetry.names.ACTIVE_PREFIX``)
+ACTIVE_PREFIX = "active/"
+
+
+def _active_fraction(c: Any) -> float | None:
+    """The controller's own ``active_fraction()`` for the last step (None if it has none or says None)."""
+    inner = c.inner if isinstance(c, _Filled) else c
+    fn = getattr(inner, "active_fraction", None)
+    value = fn() if callable(fn) else None
+    return None if value is None else float(value)
+
+
+def _keeps(c: Any) -> bool:
+    return "keep" in c.implements if isinstance(c, _Filled) else callable(getattr(c, "keep", None))
+
+
 class Chain:
     """Several controllers acting as one (module docstring has the combination rules)."""
 
@@ -306,6 +324,13 @@ class Chain:
             for key, value in c.metrics().items():
                 out[f"{name}/{key}" if key in out else key] = float(value)
         out.update(self._lr)
+        seen = self._kept_window + self._dropped_window
+        for name, c in zip(self.names, self.controllers):
+            active = _active_fraction(c)
+            if active is None and _keeps(c) and seen:
+                active = self._drops_by.window.get(name, 0) / seen
+            if active is not None:
+                out[ACTIVE_PREFIX + name] = active
         out["chain/kept"] = float(self._kept_window)
         out["chain/dropped"] = float(self._dropped_window)
         out["chain/dropped_total"] = float(self._dropped_total)

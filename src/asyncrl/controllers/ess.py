@@ -123,6 +123,11 @@ class ESSLR:
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
 
+    def active_fraction(self) -> float | None:
+        """1 if it scaled the last step's LR below 1 (by more than 1e-6: rounding is not acting), else 0."""
+        scale = self._metrics.get("ess/lr_scale")
+        return None if scale is None else float(scale < 1.0 - 1e-6)
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

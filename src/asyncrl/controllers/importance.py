@@ -9,7 +9,7 @@ gradient is ``sum w A grad log pi_theta``, never through ``w``.
 ``level``: ``token`` (w_t), ``sequence`` (exp(L_i), VCPO's seq-TIS, cap ~8) or ``geometric``
 (exp(L_i / T_i), length-invariant; best for filtering).
 
-Composition (``asyncrl.step.check_composition``, README "What the composed gradient is"): the
+Composition (``asyncrl.step.check_composition``, docs/controllers.md "What the composed gradient is"): the
 weights are formed at the learner's forward, before the step, so they are ``pi_prox / pi_b``
 with ``pi_prox`` the pre-step weights. An estimator that carries ``pi_theta / pi_b`` at the
 generated token itself (``grpo``, ``reverse_kl_mc`` with ``source='token'``) must anchor its
@@ -98,6 +98,12 @@ class TruncatedIS:
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def active_fraction(self) -> float | None:
+        """Fraction of the last step's valid tokens whose weight it truncated or masked."""
+        if "is/frac_truncated" not in self._metrics:
+            return None
+        return self._metrics["is/frac_truncated"] + self._metrics["is/frac_masked"]
 
     def state_dict(self) -> dict[str, Any]:
         return {}

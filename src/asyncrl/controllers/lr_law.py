@@ -112,6 +112,7 @@ class StalenessLRLaw:
         self._metrics: dict[str, float] = {}
 
     def s_eff(self, ctx: StepContext) -> float:
+        """The staleness S the law uses: ``s_bound`` if set, else the step's largest sample lag."""
         if self.config.s_bound is not None:
             return float(self.config.s_bound)
         return float(ctx.lags_global.max()) if ctx.lags_global.numel() else 0.0
@@ -181,6 +182,11 @@ class StalenessLRLaw:
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def active_fraction(self) -> float | None:
+        """1 if it scaled the last step's LR below 1 (by more than 1e-6: rounding is not acting), else 0."""
+        scale = self._metrics.get("law/scale")
+        return None if scale is None else float(scale < 1.0 - 1e-6)
 
     def state_dict(self) -> dict[str, Any]:
         return {"g_hat": self.g_hat, "drift_used": self.drift_used, "lr_history": list(self.lr_history)}

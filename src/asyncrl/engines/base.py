@@ -40,6 +40,14 @@ class RolloutEngine(Protocol):
     (EOS included), ``behavior_logprobs`` [B, T] float32, ``token_versions`` [B, T] int32 and,
     when ``params.mc_samples = m > 0``, ``mc_ids`` / ``mc_behavior_logprobs`` [B, T, m].
     Deterministic given ``seed`` and the weights.
+
+    Provenance (``asyncrl.provenance``; checked by the learner under ``pipeline.provenance``): an
+    engine should keep ``fingerprints``, a mapping version -> ``weights_fingerprint`` of the weights
+    it holds at that version, taken from its *own* weights after every load (not from the state
+    dict it was sent), for every version its tokens may carry. Not a protocol member, so engines
+    written before it still pass ``isinstance``; without it every block reports no fingerprint and
+    a ``strict`` run fails at its first block, saying so. An engine that keeps state derived from
+    the weights (merged adapters, a KV or prefix cache) must rebuild or reset it on every load.
     """
 
     name: str
@@ -75,9 +83,13 @@ class RolloutEngine(Protocol):
         params: SamplingParams,
         *,
         seed: int,
-    ) -> dict[str, torch.Tensor]: ...
+    ) -> dict[str, torch.Tensor]:
+        """Sample completions of the left-padded prompts with the loaded weights (class docstring)."""
+        ...
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None: ...
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load the learner's published weights; tokens generated from now on carry ``version``."""
+        ...
 
 
 #: what the pipeline calls on an engine class (``pipeline.engine``): check_supported in the driver,

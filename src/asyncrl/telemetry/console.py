@@ -12,9 +12,10 @@ bookkeeping. By default (``-v`` / ``ASYNCRL_VERBOSE=1`` turns all of this off):
   look like a problem (``ALARM``). Anything else, in particular a traceback or a warning from
   asyncrl's actors and workers, is printed as Ray prints it.
 
-The filter replaces Ray's handler on its driver-side stream dispatcher
-(``ray._private.ray_logging.global_worker_stdstream_dispatcher``, Ray 2.60); a Ray without it
-fails loudly rather than silently printing everything.
+The filter is installed on Ray's driver-side log forwarding by ``asyncrl.ray_internals`` (patch
+``log_filter``: a private Ray API, behind a check of the installed Ray version). It fails open: a
+Ray it was not written for keeps Ray's own printing (one warning), and an exception inside the
+filter prints the batch as Ray would. It may show noise; it never stops a run.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 VERBOSE_ENV = "ASYNCRL_VERBOSE"
-#: Ray's handler name on the dispatcher (ray._private.worker.connect)
-RAY_HANDLER = "ray_print_logs"
-FILTER_HANDLER = "asyncrl_print_logs"
 
 
 def set_verbose(verbose: bool) -> None:
@@ -125,51 +123,21 @@ def keep_lines(lines: Iterable[str], source: str) -> list[str]:
     return [line for line in lines if not is_noise(line, source)]
 
 
+def forwarded_lines(data: dict[str, Any]) -> list[str]:
+    """The lines of one batch Ray forwards from a worker (``lines``, with ``actor_name`` /
+    ``task_name`` / ``pid``) that reach the terminal: all of them when verbose, else ``keep_lines``."""
+    lines = data.get("lines", [])
+    if verbose():
+        return list(lines)
+    return keep_lines(lines, source_of(data))
+
+
 def install_log_filter() -> bool:
-    """Filter the driver's forwarding of worker logs (call after ``ray.init``); False when verbose
-    (Ray prints everything). Idempotent."""
+    """Filter the driver's forwarding of worker logs through ``forwarded_lines`` (call after
+    ``ray.init``); False when verbose or when the installed Ray keeps its own printing
+    (``asyncrl.ray_internals.filter_worker_logs``). Idempotent."""
     if verbose():
         return False
-    from ray._private import worker as ray_worker
-    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    from asyncrl.ray_internals import filter_worker_logs
 
-    if not hasattr(ray_worker, "print_to_stdstream"):
-        raise RuntimeError("this Ray version has no print_to_stdstream; pin ray==2.60.0 or run with -v")
-    names = [name for name, _ in dispatcher.handlers]
-    if RAY_HANDLER not in names:  # filtered already, or Ray does not forward logs (log_to_driver=False)
-        return FILTER_HANDLER in names
-    dispatcher.remove_handler(FILTER_HANDLER)  # one left from an earlier ray.init in this process
-    ignore_prefix = ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker)
-
-    # Ray's own printer (not the filtering wrapper below, which would filter every line twice)
-    printer = getattr(ray_worker.print_to_stdstream, "__wrapped__", ray_worker.print_to_stdstream)
-
-    def forward(data: dict[str, Any]) -> None:
-        lines = keep_lines(data.get("lines", []), source_of(data))
-        if lines:
-            printer({**data, "lines": lines}, ignore_prefix=ignore_prefix)
-
-    dispatcher.remove_handler(RAY_HANDLER)
-    dispatcher.add_handler(FILTER_HANDLER, forward)
-    _filter_error_messages(ray_worker)
-    return True
-
-
-def _filter_error_messages(ray_worker: Any) -> None:
-    """The driver's GCS error subscriber (``listen_error_messages``: e.g. the raylet's "task ... will
-    be retried" notes) prints through ``print_to_stdstream`` directly, not through the dispatcher:
-    wrap that function with the same filter (once per process)."""
-    original = ray_worker.print_to_stdstream
-    if hasattr(original, "__wrapped__"):  # wrapped already
-        return
-
-    def filtered(data: dict[str, Any], ignore_prefix: bool) -> None:
-        if verbose():
-            original(data, ignore_prefix)
-            return
-        lines = keep_lines(data.get("lines", []), source_of(data))
-        if lines:
-            original({**data, "lines": lines}, ignore_prefix)
-
-    filtered.__wrapped__ = original  # type: ignore[attr-defined]
-    ray_worker.print_to_stdstream = filtered
+    return filter_worker_logs(forwarded_lines)

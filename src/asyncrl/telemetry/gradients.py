@@ -14,25 +14,41 @@ Definitions, for one batch with the student's parameters θ (flattened):
 - ``g``: gradient of the exact dense KL in the estimand's direction (``KL(p‖π_θ)`` for the
   forward estimators, ``KL(π_θ‖p)`` for the reverse ones), with the estimator's reduction
   (``token_mean`` or ``seq_mean``) over the same valid tokens;
-- the batch is split into two halves A, B (even and odd rows); ``ĝ = w_A ĝ_A + w_B ĝ_B`` with
-  ``w_h = n_h / (n_A + n_B)`` the halves' shares of the reduction count (exact for both
-  reductions), so one forward/backward per half gives the full-batch and split-half gradients;
-- ``d = ĝ − g`` (the estimator's error on this batch), ``d_h = ĝ_h − g_h``.
+- the batch's rows are dealt round-robin into ``G`` groups (``GROUPS`` = 4; fewer only when the
+  batch has fewer rows, never below 2): rows, not tokens, are the independent unit (tokens of one
+  completion share its states and its draws). Group ``k`` has reduction count ``N_k`` (valid tokens
+  or samples) and mean-reduced gradients ``ĝ_k``, ``g_k``; ``ĝ = Σ N_k ĝ_k / Σ N_k`` exactly (both
+  reductions), so one forward/backward per group gives the whole-batch and per-group figures;
+- ``A_k = N_k (ĝ_k − g_k)``: the group's error sum (over its tokens of the per-token gradient
+  error); ``d = ĝ − g = Σ A_k / N`` with ``N = Σ N_k``.
 
-If the halves are independent with ``Var(x_h) ∝ 1/n_h``, then ``Var(w_A x_A + w_B x_B) =
-w_A w_B E‖x_A − x_B‖²`` for any per-half vector ``x`` (trace of the covariance), which gives
-unbiased one-batch estimates of:
+If every token's error has expectation ``b`` and the groups are independent, ``E[A_k·A_j] =
+N_k N_j ‖b‖²`` for ``k ≠ j`` whatever the within-group correlation or tails, so the cross-product
 
-- ``gradref/noise_rel = w_A w_B ‖d_A − d_B‖² / ‖g‖²``: the variance of the estimator's error
-  (sampling noise of MC draws, plus how the bias varies between states), relative to ``‖g‖²``;
-- ``gradref/bias_sq_rel = (‖d‖² − w_A w_B ‖d_A − d_B‖²) / ‖g‖²``: the squared systematic error
-  ``‖E[d]‖²`` relative to ``‖g‖²`` (can be negative on one batch; average over steps);
-- ``gradref/var_rel`` and ``gradref/ref_var_rel``: the same variance formula for ``ĝ`` and for
-  ``g`` (state-sampling noise of a batch of this size, for scale);
+    B = (‖Σ_k A_k‖² − Σ_k ‖A_k‖²) / ((Σ_k N_k)² − Σ_k N_k²)
+
+is an unbiased estimate of the squared bias ``‖b‖²`` (``cross_product_sq``); ``‖d‖² − B`` is then
+an unbiased estimate of the trace of ``Var(d)``. One probe's ``B`` may be negative (it is an
+unbiased estimate of a non-negative number, not a norm); a run or a cell reports the ratio of
+sums over its probes, ``Σ B / Σ ‖g‖²`` (``ratio_of_sums``), never a mean of per-probe ratios.
+Metrics of one probe:
+
+- ``gradref/bias_sq`` = ``B`` and ``gradref/ref_sq`` = ``‖g‖²`` (what runs and cells sum);
+  ``gradref/bias_sq_rel = B / ‖g‖²`` (this probe alone);
+- ``gradref/noise_sq`` = ``‖d‖² − B`` and ``gradref/noise_rel`` = that over ``‖g‖²``: the variance
+  of the estimator's error (sampling noise of MC draws, plus how the error varies between states);
+- ``gradref/var_rel`` and ``gradref/ref_var_rel``: the same decomposition for ``ĝ`` and ``g``
+  (state-sampling noise of a batch of this size, for scale);
 - ``gradref/cos = cos(ĝ, g)`` and ``gradref/rel_err = ‖d‖ / ‖g‖`` (bias and noise together);
 - ``gradref/norm_est``, ``gradref/norm_ref``: ``‖ĝ‖`` and ``‖g‖`` before clipping;
+  ``gradref/groups``: ``G``;
 - ``kl/teacher_reverse``, ``kl/teacher_forward``: the exact ``KL(π_θ‖p)`` and ``KL(p‖π_θ)`` per
   valid token on the batch (the objective itself, on the student's own samples).
+
+In a run the bias of a stale estimator and the state noise move with θ. ``frozen_theta`` measures
+at one θ and one fixed set of states instead: it redraws only the Monte Carlo columns ``R`` times
+(``mc_redraw``), so the squared bias and the variance of different cache sizes (m draws, top-k)
+are compared at equal θ and equal states (module ``frozen_theta`` docstring).
 
 Per lag bucket (``bucket/<label>/grad_norm``): ``‖ĝ‖`` of the estimator's loss over that
 bucket's samples alone (one more forward/backward per bucket when a batch spans several).
@@ -47,7 +63,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -66,14 +82,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ESTIMANDS",
+    "GROUPS",
     "MAX_VOCAB",
+    "FrozenTheta",
     "GradientProbe",
     "GradientTrace",
     "LearnerGradients",
     "WithDenseLogits",
+    "cross_product_sq",
     "dense_reference_due",
     "estimand",
     "flat_grad",
+    "frozen_theta",
+    "mc_redraw",
+    "ratio_of_sums",
 ]
 
 Direction = Literal["forward", "reverse"]
@@ -90,6 +112,8 @@ ESTIMANDS: dict[str, Direction] = {
 #: the largest vocabulary the dense reference accepts by default: the scoring stage ships
 #: 4·V bytes per token for the diagnostic blocks (V = 4096: 16 KiB per token)
 MAX_VOCAB = 4096
+#: independent row groups a probed batch is split into (``cross_product_sq``; >= 4 as a rule, 2 at least)
+GROUPS = 4
 _EPS = 1e-30
 
 
@@ -159,10 +183,44 @@ def _dense_kl(direction: Direction) -> Any:
     return forward_kl_dense if direction == "forward" else reverse_kl_dense
 
 
+def cross_product_sq(sums: Sequence[torch.Tensor], counts: Sequence[float]) -> float:
+    """``(‖Σ_k A_k‖² − Σ_k ‖A_k‖²) / ((Σ_k N_k)² − Σ_k N_k²)``: an unbiased estimate of ``‖b‖²``
+    when the ``A_k`` are independent with ``E[A_k] = N_k b`` (module docstring).
+
+    ``sums``: per group, the sum ``A_k`` of its units' vectors (flat, float64); ``counts``: ``N_k``
+    (units per group; 1 each for independent replicates, e.g. redraws). Needs >= 2 groups. Only
+    the cross terms ``A_k·A_j`` (k ≠ j) enter, so the units' variance, correlation within a group
+    and tails cannot leak into it; its value may be negative (it estimates a square, it is not one).
+    """
+    if len(sums) != len(counts) or len(sums) < 2:
+        raise ValueError(
+            f"cross_product_sq needs >= 2 groups, one count each; got {len(sums)} sums, {len(counts)} counts"
+        )
+    total = torch.stack(list(sums)).sum(0)
+    own = sum(float(a.dot(a)) for a in sums)
+    n = float(sum(counts))
+    pairs = n * n - sum(float(c) * float(c) for c in counts)
+    if pairs <= 0:
+        raise ValueError(
+            f"cross_product_sq: counts {list(counts)} leave no pair of units in different groups"
+        )
+    return (float(total.dot(total)) - own) / pairs
+
+
+def ratio_of_sums(numerators: Sequence[float], denominators: Sequence[float]) -> float:
+    """``Σ numerators / Σ denominators`` over the finite pairs (NaN if none or the sum is 0): how runs
+    and cells normalise ``gradref/bias_sq`` by ``gradref/ref_sq`` (a mean of per-probe ratios would
+    weight each probe by its own noisy ``1/‖g‖²``)."""
+    pairs = [(float(a), float(b)) for a, b in zip(numerators, denominators)]
+    pairs = [(a, b) for a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+    den = sum(b for _, b in pairs)
+    return sum(a for a, _ in pairs) / den if pairs and den > 0 else math.nan
+
+
 @dataclass
-class _Half:
-    est: torch.Tensor  # estimator gradient, flat
-    ref: torch.Tensor  # dense-KL gradient, flat
+class _Group:
+    est: torch.Tensor  # estimator gradient, flat, mean-reduced over the group
+    ref: torch.Tensor  # dense-KL gradient, flat, mean-reduced over the group
     n: float  # the reduction count (valid tokens or samples)
     kl_sums: dict[str, float] = field(default_factory=dict)  # metric key -> sum over valid tokens
     tokens: int = 0
@@ -174,16 +232,22 @@ class GradientProbe:
 
     ``model``: the student (unwrapped; the probe calls ``torch.autograd.grad``, so no ``.grad``
     is written and no DDP hook fires). ``temperature``: the sampling tau (the student's logits
-    are divided by it, as ``loss_step`` does).
+    are divided by it, as ``loss_step`` does). ``groups``: row groups ``G`` (one forward/backward
+    each; a batch of fewer rows uses one group per row).
     """
 
     model: torch.nn.Module
     estimator: Any
     temperature: float = 1.0
+    groups: int = GROUPS
     direction: Direction = field(init=False)
     aggregation: str = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.groups < 2:
+            raise ValueError(
+                f"GradientProbe groups must be >= 2 (the cross-product needs pairs); got {self.groups}"
+            )
         self.direction = estimand(self.estimator)
         self.aggregation = getattr(getattr(self.estimator, "config", None), "aggregation", "token_mean")
 
@@ -205,10 +269,11 @@ class GradientProbe:
             rows = rows[np.asarray(keep, dtype=bool)]
         if len(rows) < 2:
             return {}
-        halves = [self._half(tb, rows[0::2]), self._half(tb, rows[1::2])]
-        out = _compare(halves)
+        g = min(self.groups, len(rows))
+        groups = [self._group(tb, rows[k::g]) for k in range(g)]
+        out = _decompose(groups)
         if lags is not None:
-            out.update(self._bucket_norms(tb, rows, np.asarray(lags)[rows], halves))
+            out.update(self._bucket_norms(tb, rows, np.asarray(lags)[rows], groups))
         return out
 
     # -- pieces -----------------------------------------------------------------------------------
@@ -221,7 +286,7 @@ class GradientProbe:
         )
         return logits if self.temperature == 1.0 else logits / self.temperature
 
-    def _half(self, tb: Mapping[str, torch.Tensor], rows: np.ndarray) -> _Half:
+    def _group(self, tb: Mapping[str, torch.Tensor], rows: np.ndarray) -> _Group:
         idx = torch.as_tensor(rows, device=tb[R.COMPLETION_MASK].device)
         sub = {k: v.index_select(0, idx) for k, v in tb.items()}
         params = self._params()
@@ -244,16 +309,15 @@ class GradientProbe:
         with torch.no_grad():  # the objective itself in both directions, per valid token
             z = logits.detach()
             sums = {key: float(fn(z, teacher)[mask].sum()) for key, fn in _KL_VALUES.items()}
-        return _Half(_fill(g_est, params), _fill(g_ref, params), n, sums, int(mask.sum()))
+        return _Group(_fill(g_est, params), _fill(g_ref, params), n, sums, int(mask.sum()))
 
     def _bucket_norms(
-        self, tb: Mapping[str, torch.Tensor], rows: np.ndarray, lags: np.ndarray, halves: list[_Half]
+        self, tb: Mapping[str, torch.Tensor], rows: np.ndarray, lags: np.ndarray, groups: list[_Group]
     ) -> dict[str, float]:
         labels = lag_bucket_index(lags)
         present = np.unique(labels)
         if len(present) == 1:  # one bucket: its gradient is the whole batch's
-            wa, wb = _weights(halves)
-            g = wa * halves[0].est + wb * halves[1].est
+            g = _pooled(groups, "est")
             return {N.bucket_key(LAG_BUCKETS[int(present[0])], "grad_norm"): float(g.norm())}
         out = {}
         params = self._params()
@@ -271,35 +335,173 @@ def _fill(grads: Any, params: list[torch.nn.Parameter]) -> torch.Tensor:
     return flat_grad([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])
 
 
-def _weights(halves: list[_Half]) -> tuple[float, float]:
-    total = halves[0].n + halves[1].n
-    return halves[0].n / total, halves[1].n / total
+def _pooled(groups: Sequence[_Group], which: str) -> torch.Tensor:
+    """The whole batch's mean-reduced gradient ``Σ N_k x_k / Σ N_k`` from the groups' (``est``/``ref``)."""
+    n = sum(gr.n for gr in groups)
+    return sum(getattr(gr, which) * (gr.n / n) for gr in groups)
 
 
-def _compare(halves: list[_Half]) -> dict[str, float]:
-    """The ``gradref/*`` figures from the two halves (module docstring)."""
-    a, b = halves
-    wa, wb = _weights(halves)
-    g_est = wa * a.est + wb * b.est
-    g_ref = wa * a.ref + wb * b.ref
+def _decompose(groups: Sequence[_Group]) -> dict[str, float]:
+    """The ``gradref/*`` figures from the row groups (module docstring)."""
+    counts = [gr.n for gr in groups]
+    g_est, g_ref = _pooled(groups, "est"), _pooled(groups, "ref")
     d = g_est - g_ref
     ref_sq = float(g_ref.dot(g_ref))
     scale = max(ref_sq, _EPS)
-    w = wa * wb
-    noise = w * float((a.est - a.ref - b.est + b.ref).square().sum())
+
+    def split(vecs: list[torch.Tensor], mean: torch.Tensor) -> tuple[float, float]:
+        # (‖E x‖² estimate, trace Var(mean) estimate) from the groups' sums N_k x_k
+        sq = cross_product_sq([v * c for v, c in zip(vecs, counts)], counts)
+        return sq, float(mean.dot(mean)) - sq
+
+    bias_sq, noise = split([gr.est - gr.ref for gr in groups], d)
+    _, var_est = split([gr.est for gr in groups], g_est)
+    _, var_ref = split([gr.ref for gr in groups], g_ref)
     norm_est, norm_ref = float(g_est.norm()), math.sqrt(ref_sq)
-    tokens = max(a.tokens + b.tokens, 1)
-    kls = {key: (a.kl_sums.get(key, 0.0) + b.kl_sums.get(key, 0.0)) / tokens for key in a.kl_sums}
+    tokens = max(sum(gr.tokens for gr in groups), 1)
+    kls = {key: sum(gr.kl_sums.get(key, 0.0) for gr in groups) / tokens for key in groups[0].kl_sums}
     return kls | {
         N.GRADREF_COS: float(g_est.dot(g_ref)) / max(norm_est * norm_ref, _EPS),
         N.GRADREF_REL_ERR: float(d.norm()) / max(norm_ref, _EPS),
-        N.GRADREF_BIAS_SQ_REL: (float(d.dot(d)) - noise) / scale,
+        N.GRADREF_BIAS_SQ: bias_sq,
+        N.GRADREF_REF_SQ: ref_sq,
+        N.GRADREF_NOISE_SQ: noise,
+        N.GRADREF_BIAS_SQ_REL: bias_sq / scale,
         N.GRADREF_NOISE_REL: noise / scale,
-        "gradref/var_rel": w * float((a.est - b.est).square().sum()) / scale,
-        "gradref/ref_var_rel": w * float((a.ref - b.ref).square().sum()) / scale,
+        "gradref/var_rel": var_est / scale,
+        "gradref/ref_var_rel": var_ref / scale,
         "gradref/norm_est": norm_est,
         "gradref/norm_ref": norm_ref,
+        N.GRADREF_GROUPS: float(len(groups)),
     }
+
+
+# --- frozen θ: bias and variance at one θ and fixed states, over redraws of the MC columns ----------------
+Redraw = Callable[[int], Mapping[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FrozenTheta:
+    """One estimator at one θ and one fixed set of states (``frozen_theta``).
+
+    ``d_r = ĝ_r − g`` is the error of redraw ``r`` (same θ, same states, same teacher; only the Monte
+    Carlo columns redrawn): ``bias_sq`` estimates ``‖E_r[d_r]‖²`` (``cross_product_sq`` over the
+    redraws, unbiased; ``‖d‖²`` itself when nothing is redrawn), ``var`` the trace of ``Var_r(d_r)``
+    (the Monte Carlo variance at these states, ``Σ‖d_r − d̄‖² / (R − 1)``; 0 when nothing is redrawn),
+    ``ref_sq`` = ``‖g‖²``. At fixed states ``E_r[d_r]`` is the estimator's bias averaged over these
+    states: 0 for an unbiased estimator whatever the states, the top-k truncation's or a stale
+    advantage's systematic error otherwise."""
+
+    bias_sq: float
+    var: float
+    ref_sq: float
+    redraws: int
+    cos: float  # cos(mean over redraws of ĝ_r, g)
+
+    @property
+    def bias_sq_rel(self) -> float:
+        return self.bias_sq / max(self.ref_sq, _EPS)
+
+    @property
+    def var_rel(self) -> float:
+        return self.var / max(self.ref_sq, _EPS)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "bias_sq": self.bias_sq,
+            "var": self.var,
+            "ref_sq": self.ref_sq,
+            "redraws": float(self.redraws),
+            "cos": self.cos,
+            "bias_sq_rel": self.bias_sq_rel,
+            "var_rel": self.var_rel,
+        }
+
+
+def frozen_theta(
+    model: torch.nn.Module,
+    estimator: Any,
+    states: Mapping[str, Any],
+    redraw: Redraw | None = None,
+    *,
+    redraws: int = 1,
+    temperature: float = 1.0,
+) -> FrozenTheta:
+    """Bias and Monte Carlo variance of ``estimator``'s gradient at the model's current θ and the fixed
+    ``states`` (prompt/completion columns, ``teacher_logits``, and whatever cache columns do not
+    change between redraws, e.g. top-k), redrawing the Monte Carlo columns ``redraws`` times.
+
+    ``redraw(r)`` returns redraw ``r``'s columns (``mc_redraw`` builds one from a proposal and the
+    teacher); None: the estimator is deterministic given ``states`` (top-k, dense) and one
+    evaluation is exact (``redraws`` must be 1). Same reference and reduction as ``GradientProbe``.
+    Use it on a tabular model in tests and on a run's checkpoint (load the weights, sample fixed
+    states once, then compare m and k at equal θ: ``scripts/frozen_theta.py``)."""
+    if redraw is None and redraws != 1:
+        raise ValueError(
+            "frozen_theta: without a redraw function the estimate is deterministic; use redraws=1"
+        )
+    if redraw is not None and redraws < 2:
+        raise ValueError(f"frozen_theta: redraws must be >= 2 to separate bias from variance; got {redraws}")
+    probe = GradientProbe(model, estimator, temperature)
+    base = R.to_torch({k: v for k, v in states.items() if k in R.COLUMNS})
+    device = next(model.parameters()).device
+    rows = np.arange(len(base[R.COMPLETION_MASK]))
+    ref: torch.Tensor | None = None
+    errors, ests = [], []
+    for r in range(redraws):
+        cols = dict(base)
+        if redraw is not None:
+            cols.update(R.to_torch(dict(redraw(r))))
+        tb = {k: v.to(device) for k, v in cols.items()}
+        group = probe._group(tb, rows)
+        ref = group.ref if ref is None else ref
+        errors.append(group.est - ref)
+        ests.append(group.est)
+    assert ref is not None
+    ref_sq = float(ref.dot(ref))
+    mean_est = torch.stack(ests).mean(0)
+    cos = float(mean_est.dot(ref)) / max(float(mean_est.norm()) * math.sqrt(ref_sq), _EPS)
+    if redraw is None:
+        return FrozenTheta(float(errors[0].dot(errors[0])), 0.0, ref_sq, 1, cos)
+    total = torch.stack(errors).sum(0)
+    own = sum(float(e.dot(e)) for e in errors)
+    var = (own - float(total.dot(total)) / redraws) / (redraws - 1)
+    return FrozenTheta(cross_product_sq(errors, [1.0] * redraws), var, ref_sq, redraws, cos)
+
+
+def mc_redraw(
+    proposal_logprobs: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    m: int,
+    *,
+    source: Literal["behavior", "teacher"] = "behavior",
+    seed: int = 0,
+) -> Redraw:
+    """A ``frozen_theta`` redraw: ``m`` fresh i.i.d. draws per position, seeded by ``(seed, r)``.
+
+    ``source="behavior"``: draws from ``proposal_logprobs`` [B, T, V] (log π_b at the fixed states:
+    the current student's for an on-policy probe, an older checkpoint's for a stale one) into
+    ``mc_ids``, ``mc_behavior_logprobs`` and ``teacher_mc_logprobs`` (the ``behavior_mc`` cache);
+    ``source="teacher"``: draws from the teacher into ``teacher_mc_ids``/``teacher_mc_logprobs``
+    (``forward_kl_mc``; ``proposal_logprobs`` unused). All m columns are fresh draws (in a rollout
+    column 0 is the generated token, which is part of the state here): the per-state expectation
+    is the same."""
+    if m < 1:
+        raise ValueError(f"mc_redraw: m must be >= 1; got {m}")
+    teacher_lp = torch.log_softmax(teacher_logits.double(), -1)
+    lp = teacher_lp if source == "teacher" else proposal_logprobs.double()
+    B, T, V = lp.shape
+
+    def draw(r: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(r))
+        probs = lp.exp().reshape(B * T, V).cpu()
+        ids = torch.multinomial(probs, m, replacement=True, generator=gen).reshape(B, T, m).to(lp.device)
+        at_teacher = teacher_lp.gather(-1, ids)
+        if source == "teacher":
+            return {R.TEACHER_MC_IDS: ids, R.TEACHER_MC_LOGPROBS: at_teacher}
+        return {R.MC_IDS: ids, R.MC_BEHAVIOR_LOGPROBS: lp.gather(-1, ids), R.TEACHER_MC_LOGPROBS: at_teacher}
+
+    return draw
 
 
 class GradientTrace:

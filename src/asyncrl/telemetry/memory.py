@@ -3,13 +3,13 @@
 What a soak run watches for leaks: the learner process's RSS, the summed RSS of every Ray worker
 process on the learner's node (generators, scorers, the PolicyStore, Ray Data's executor) and
 the bytes the node's object store holds. The worker list and the store figures come from the
-raylet's ``GetNodeStats`` (one local RPC, ~3 ms measured); Ray has no public API for either
-figure, so a Ray version without it leaves those two metrics out with one warning, while the
-learner's own RSS is always logged.
+raylet's ``GetNodeStats`` (one local RPC; ``asyncrl.ray_internals.raylet_node_stats``, patch
+``node_stats``). Ray has no public API for either figure, so a Ray version without it leaves those
+two metrics out with one warning, while the learner's own RSS is always logged.
 
 Sampled at most every ``every_s`` seconds (``telemetry.memory_every_s``), not every step: the
-raylet RPC opens a gRPC channel per call and each worker's RSS is a /proc read, together ~5 ms,
-which was 10-15 % of the tiny preset's learner step. A leak shows over minutes, not steps.
+raylet RPC opens a gRPC channel per call and each worker's RSS is a /proc read: together a
+noticeable share of a tiny model's learner step. A leak shows over minutes, not steps.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class MemoryProbe:
 
     def _node_stats(self) -> Any:
         import ray
-        from ray._private.internal_api import node_stats
+
+        from asyncrl.ray_internals import raylet_node_stats
 
         if not ray.is_initialized():  # never start a Ray instance just to read its memory
             raise RuntimeError("this process is not connected to Ray")
@@ -46,7 +47,10 @@ class MemoryProbe:
             me = ray.get_runtime_context().get_node_id()
             node = next(n for n in ray.nodes() if n["NodeID"] == me)
             self._raylet = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
-        return node_stats(*self._raylet, include_memory_info=False)
+        stats = raylet_node_stats(*self._raylet)
+        if stats is None:
+            raise RuntimeError("patch node_stats is off for the installed Ray (asyncrl.ray_internals)")
+        return stats
 
     def due(self) -> bool:
         """Whether a sample is due: the first call, then once ``every_s`` has passed since the last."""

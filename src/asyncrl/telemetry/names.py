@@ -41,6 +41,12 @@ KL_BEHAVIOR_CURRENT = "kl/behavior_current"
 GRAD_NORM = "grad/norm"
 #: cosine between this step's gradient and the previous step's (GAC)
 GAC_COS_PREV = "gac/cos_prev"
+#: 1 when GAC acted on this step's direction (cos above tau and lag >= min_lag), else 0
+GAC_ACTIVE = "gac/active"
+#: ``active/<controller>``: the fraction of what a controller acts on that it changed at this step
+#: (samples it dropped, tokens it reweighted, or 1/0 for a step whose LR or gradient it changed);
+#: its mean over steps is the controller's acting fraction over the run (``controllers.chain``)
+ACTIVE_PREFIX = "active/"
 #: cosine between the gradients applied at this step and the previous one (telemetry.grad_cos_prev)
 GRAD_COS_PREV = "grad/cos_prev"
 #: gradient diagnostics against the exact dense KL (telemetry.grad_reference; asyncrl.telemetry.gradients)
@@ -48,6 +54,13 @@ GRADREF_COS = "gradref/cos"
 GRADREF_REL_ERR = "gradref/rel_err"
 GRADREF_BIAS_SQ_REL = "gradref/bias_sq_rel"
 GRADREF_NOISE_REL = "gradref/noise_rel"
+#: one probe's cross-product squared bias B, |g|^2 and noise |d|^2 - B (absolute): runs and cells
+#: report sum(B) / sum(|g|^2) over their probes (asyncrl.telemetry.gradients.ratio_of_sums)
+GRADREF_BIAS_SQ = "gradref/bias_sq"
+GRADREF_REF_SQ = "gradref/ref_sq"
+GRADREF_NOISE_SQ = "gradref/noise_sq"
+#: row groups the probe split the batch into
+GRADREF_GROUPS = "gradref/groups"
 #: exact KL(pi_theta || p) and KL(p || pi_theta) per valid token on the probed batch (grad_reference)
 KL_TEACHER_REVERSE = "kl/teacher_reverse"
 KL_TEACHER_FORWARD = "kl/teacher_forward"
@@ -67,6 +80,22 @@ LEARNER_IDLE_FRAC = "throughput/learner_idle_frac"
 TEACHER_MASS = "est/teacher_mass"
 #: greedy exact-match accuracy; present only on eval steps
 EVAL_ACCURACY = "eval/accuracy"
+#: evaluation without a verifier (``asyncrl.workloads.agreement``), on held-out prompts: per-token
+#: exact KL(teacher || student) and KL(student || teacher) on the student's own samples, top-1
+#: agreement, the teacher's NLL per token of the student's greedy response, ROUGE-L of the
+#: student's vs the teacher's greedy responses; ``eval/step`` the version they were measured at
+#: (they run beside training and land on the step record at which they finished)
+EVAL_KL_FORWARD = "eval/kl_forward"
+EVAL_KL_REVERSE = "eval/kl_reverse"
+EVAL_TOP1_AGREE = "eval/top1_agree"
+EVAL_TEACHER_NLL = "eval/teacher_nll"
+EVAL_ROUGE_L = "eval/rouge_l"
+EVAL_STEP = "eval/step"
+EVAL_AGREEMENT = (EVAL_KL_FORWARD, EVAL_KL_REVERSE, EVAL_TOP1_AGREE, EVAL_TEACHER_NLL, EVAL_ROUGE_L)
+#: every agreement evaluation of a run, one JSON line each: ``{"step", "seconds", "metrics",
+#: "samples"}`` (a few prompts' student and teacher greedy responses); summary.json's initial and
+#: final agreement figures come from here
+EVAL_FILE = "evals.jsonl"
 #: start-up marks (wall clock, epoch seconds), logged with the learner process's first step: its
 #: training loop began, it published its first weights (admission opened), its first rollout
 #: batch arrived, its first optimizer step was done
@@ -93,6 +122,13 @@ def bucket_key(label: str, metric: str) -> str:
     if "/" in label:
         raise ValueError(f"lag bucket label {label!r} must not contain '/'")
     return f"{BUCKET_PREFIX}{label}/{metric}"
+
+
+def active_key(controller: str) -> str:
+    """``active/<controller>``: the acting fraction of the chain's controller named ``controller``."""
+    if not controller or "/" in controller:
+        raise ValueError(f"controller name {controller!r} must be non-empty and contain no '/'")
+    return f"{ACTIVE_PREFIX}{controller}"
 
 
 def parse_bucket_key(key: str) -> tuple[str, str] | None:
@@ -139,6 +175,7 @@ SUMMARY_KEYS = (
     "lag_max",
     "eval_accuracy_initial",
     "eval_accuracy_final",
+    *(f"eval_{k.split('/')[1]}_{w}" for k in EVAL_AGREEMENT for w in ("initial", "final")),
     "teacher_accuracy",
     "reward_mean_first",
     "reward_mean_last",
@@ -168,6 +205,7 @@ STATUS_FAILED = "failed"
 STATUS_ABORTED = "aborted"
 
 __all__ = [
+    "ACTIVE_PREFIX",
     "BUCKET_PREFIX",
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
@@ -178,12 +216,25 @@ __all__ = [
     "ESS_LR_RHO",
     "ESS_RHO",
     "EVAL_ACCURACY",
+    "EVAL_AGREEMENT",
+    "EVAL_FILE",
+    "EVAL_KL_FORWARD",
+    "EVAL_KL_REVERSE",
+    "EVAL_ROUGE_L",
+    "EVAL_STEP",
+    "EVAL_TEACHER_NLL",
+    "EVAL_TOP1_AGREE",
     "FIRST_BATCH_AT",
     "FIRST_STEP_AT",
+    "GAC_ACTIVE",
     "GAC_COS_PREV",
+    "GRADREF_BIAS_SQ",
     "GRADREF_BIAS_SQ_REL",
     "GRADREF_COS",
+    "GRADREF_GROUPS",
     "GRADREF_NOISE_REL",
+    "GRADREF_NOISE_SQ",
+    "GRADREF_REF_SQ",
     "GRADREF_REL_ERR",
     "GRAD_COS_PREV",
     "GRAD_NORM",
@@ -220,6 +271,7 @@ __all__ = [
     "TIME_S",
     "TOKENS",
     "VERSION",
+    "active_key",
     "bucket_key",
     "parse_bucket_key",
 ]

@@ -77,19 +77,22 @@ def format_stats(
     *,
     eval_step: int | None = None,
     fields: Sequence[str] = RUN_FIELDS,
+    eval_label: str = "eval",
 ) -> str:
     """One line of the figures a person watches, e.g.
     ``samples/s 35.2  lag 1.20/2  ESS 0.975  loss 0.4123  eval 0.550@20``.
 
-    ``accuracy`` is the last eval accuracy seen (evals are sparse) and ``eval_step`` its step;
-    missing values print ``-``, so a live line keeps its layout.
+    ``accuracy`` is the last eval figure seen (evals are sparse) and ``eval_step`` its step;
+    ``eval_label`` names it (``eval``: exact match; ``rKL``: the agreement eval's per-token
+    KL(student ‖ teacher) on held-out prompts). Missing values print ``-``, so a live line keeps
+    its layout.
     """
     figures = {
         "samples/s": f"samples/s {_fmt(metrics.get(names.SAMPLES_PER_S), '.1f')}",
         "lag": f"lag {_fmt(metrics.get(names.LAG_MEAN), '.2f')}/{_fmt(metrics.get(names.LAG_MAX), '.0f')}",
         "ESS": f"ESS {_fmt(metrics.get(names.ESS_RHO), '.3f')}",
         "loss": f"loss {_fmt(metrics.get(names.LOSS), '.4g')}",
-        "eval": f"eval {_fmt(accuracy, '.3f')}",
+        "eval": f"{eval_label} {_fmt(accuracy, '.3f')}",
     }
     if accuracy is not None and eval_step is not None:
         figures["eval"] += f"@{eval_step}"
@@ -108,6 +111,7 @@ class Row:
         self.step = int(start)
         self.accuracy: float | None = None
         self.eval_step: int | None = None
+        self.eval_label = "eval"
         self._t0 = time.monotonic()
         self._last_print: float = self._t0
         self._printed_step: int | None = None
@@ -118,7 +122,9 @@ class Row:
             )
 
     def stats(self, metrics: Mapping[str, Any]) -> str:
-        return format_stats(metrics, self.accuracy, eval_step=self.eval_step, fields=self.fields)
+        return format_stats(
+            metrics, self.accuracy, eval_step=self.eval_step, fields=self.fields, eval_label=self.eval_label
+        )
 
     def eta_s(self) -> float | None:
         """Seconds left at the rate since the row started (None before the first step)."""
@@ -133,6 +139,10 @@ class Row:
         acc = metrics.get(names.EVAL_ACCURACY)
         if acc is not None:
             self.accuracy, self.eval_step = float(acc), int(step)
+        kl = metrics.get(names.EVAL_KL_REVERSE)
+        if kl is not None:  # the agreement eval, measured at eval/step
+            self.accuracy, self.eval_label = float(kl), "rKL"
+            self.eval_step = int(metrics.get(names.EVAL_STEP, step))
         mode = self.display.mode
         if mode == "off":
             return
@@ -142,7 +152,8 @@ class Row:
             return
         now = time.monotonic()
         due = now - self._last_print >= self.display.log_every_s
-        if (due or acc is not None or self.step >= self.total) and self._printed_step != self.step:
+        shown = due or acc is not None or kl is not None or self.step >= self.total
+        if shown and self._printed_step != self.step:
             self._last_print, self._printed_step = now, self.step
             eta = self.eta_s()
             tail = f"  eta {format_duration(eta)}" if eta is not None and self.step < self.total else ""

@@ -10,8 +10,10 @@ is the global one). ``StepLogger`` is the learner's writer of both files.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -162,6 +164,9 @@ class StepLogger:
         #: start-up marks (names.STARTUP_MARKS), logged with this process's first step, then None
         self.marks: dict[str, float] | None = {}
         self.writer = self.evaluator = self.memory = None
+        #: the agreement eval (prompts without answers), run beside training: ``BackgroundAgreement``
+        self.agreement: Any = None
+        self.run_dir = spec.run_dir
         if self.rank0:
             from asyncrl.telemetry.memory import MemoryProbe
             from asyncrl.telemetry.sinks import RunWriter
@@ -177,15 +182,25 @@ class StepLogger:
                 samples_flush_s=cfg.telemetry.samples_flush_s,
             )
             self.memory = MemoryProbe(cfg.telemetry.memory_every_s)
-            tokenizer = shared_tokenizer(spec.student_dir)
-            self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
+            if spec.agreement_prompts and cfg.train.eval_every > 0:
+                from asyncrl.workloads.evaluate import BackgroundAgreement
+
+                self.agreement = BackgroundAgreement(
+                    cfg, spec.teacher_dir, spec.student_dir, spec.agreement_prompts
+                )
+            else:
+                tokenizer = shared_tokenizer(spec.student_dir)
+                self.evaluator = Evaluator(cfg, tokenizer, spec.eval_prompts)
         self.eval_time = 0.0
         self.t_run0 = self.t_prev = time.perf_counter()
 
     def start(self, version: int) -> None:
         """Before the first step: a fresh run's eval of the starting weights (step 0)."""
         if self.rank0 and version == 0 and self.cfg.train.eval_every > 0:
-            self.writer.log_step(0, {N.EVAL_ACCURACY: self.evaluate(), N.TIME_S: 0.0})
+            if self.agreement is not None:  # beside the first steps: nothing waits for it
+                self.agreement.submit(0, self.model)
+            else:
+                self.writer.log_step(0, {N.EVAL_ACCURACY: self.evaluate(), N.TIME_S: 0.0})
 
     def ready(self, started_at: float) -> None:
         """The learner is loaded and its weights published: start-up marks, and the step clock starts."""
@@ -242,12 +257,33 @@ class StepLogger:
             }
         )
         ev, steps = self.cfg.train.eval_every, self.cfg.train.steps
-        if ev > 0 and (result.version % ev == 0 or result.version >= steps):
+        due = ev > 0 and (result.version % ev == 0 or result.version >= steps)
+        if self.agreement is not None:
+            metrics.update(self.agreed(result.version, due=due, final=result.version >= steps))
+        elif due:
             metrics[N.EVAL_ACCURACY] = self.evaluate()
         metrics[N.TIME_S] = time.perf_counter() - self.t_run0
         metrics["time/eval_total_s"] = self.eval_time
         self.writer.log_step(result.version, metrics)
         self.t_prev = time.perf_counter()
+
+    def agreed(self, version: int, *, due: bool, final: bool) -> dict[str, float]:
+        """The background agreement eval at a step: request one when ``due``, collect what has
+        finished (every one at the ``final`` step, which waits for them: the run is over), write
+        each to ``RUN/evals.jsonl``, and return the newest one's figures for the step record."""
+        if due:
+            self.agreement.submit(version, self.model, final=final)
+        t0 = time.perf_counter()
+        done = self.agreement.drain() if final else self.agreement.poll()
+        self.eval_time += time.perf_counter() - t0  # only the wait at the end holds the learner
+        out: dict[str, float] = {}
+        with open(Path(self.run_dir) / N.EVAL_FILE, "a", encoding="utf-8") as f:
+            for res in done:
+                f.write(json.dumps(res, allow_nan=False) + "\n")
+                out = {f"eval/{k}": v for k, v in res["metrics"].items()}
+                out[N.EVAL_STEP] = float(res["step"])
+                out["time/eval_s"] = res["seconds"]
+        return out
 
     def evaluate(self) -> float:
         acc, dt = self.evaluator(self.model)
@@ -262,3 +298,5 @@ class StepLogger:
     def close(self) -> None:
         if self.rank0:
             self.writer.close()
+            if self.agreement is not None:
+                self.agreement.close()

@@ -38,6 +38,33 @@ def steady_throughput(metrics: list[dict[str, Any]]) -> float | None:
     return n / dt if dt > 0 else None
 
 
+def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
+    """``RUN/evals.jsonl`` (the agreement evaluations), by step; the latest record of a step wins
+    (a resumed run may evaluate a step again)."""
+    import json
+
+    f = Path(run_dir) / N.EVAL_FILE
+    if not f.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in f.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def agreement(run_dir: str | Path) -> dict[str, float | None]:
+    """summary.json's ``eval_<metric>_initial`` / ``_final``: the first and last agreement evaluation."""
+    evals = read_evals(run_dir)
+    out: dict[str, float | None] = {}
+    for key in N.EVAL_AGREEMENT:
+        name = key.split("/", 1)[1]
+        out[f"eval_{name}_initial"] = evals[0]["metrics"].get(name) if evals else None
+        out[f"eval_{name}_final"] = evals[-1]["metrics"].get(name) if evals else None
+    return out
+
+
 def summarize(
     run_dir: str | Path,
     *,
@@ -72,6 +99,7 @@ def summarize(
         "lag_max": int(lags.max()) if len(lags) else None,
         "eval_accuracy_initial": evals[0] if evals else None,
         "eval_accuracy_final": evals[-1] if evals else None,
+        **agreement(run_dir),
         "teacher_accuracy": teacher_accuracy,
         "reward_mean_first": _mean_reward(kept, first=True),
         "reward_mean_last": _mean_reward(kept, first=False),

@@ -328,9 +328,10 @@ def _check_same_vocab(teacher_dir: Any, student_dir: Any, t_tok: Any, s_tok: Any
         moved = sorted(k for k in set(tv) & set(sv) if tv[k] != sv[k])[:5]
         raise ValueError(
             f"teacher tokenizer ({teacher_dir}) and student tokenizer ({student_dir}) differ: "
-            f"{len(tv)} vs {len(sv)} tokens; only in teacher {only_t}, only in student {only_s}, "
-            f"different ids {moved}. Distillation needs one shared vocabulary: "
-            f"pretrain both with the same tokenizer"
+            f"teacher vocabulary {len(tv)} tokens vs student vocabulary {len(sv)} tokens; only in teacher "
+            f"{only_t}, only in student {only_s}, different ids {moved}. Distillation compares "
+            f"distributions over one vocabulary: give a teacher and a student saved with the same "
+            f"tokenizer (e.g. a student built from the teacher, or pretrain both with one tokenizer)"
         )
 
 

@@ -84,3 +84,108 @@ class Evaluator:
             batch_size=64,
         )
         return float(acc), time.perf_counter() - t0
+
+
+class BackgroundAgreement:
+    """The agreement eval (``asyncrl.workloads.agreement``) of a run, in a Ray actor of its own.
+
+    Why an actor: at a real model size one evaluation (two generations of the student, three
+    forwards, the teacher loaded once) takes as long as several optimizer steps, and the step-0
+    eval used to run before the first step. Here the learner only snapshots its weights
+    (``submit``) and goes on; finished results are collected without waiting (``poll``) and logged
+    on the step record at which they arrived (``eval/step`` says which version they measured).
+    At most one evaluation runs and one waits (the newest request replaces a waiting one; the
+    final one is never replaced), so a slow eval thins the curve instead of queueing behind it.
+    ``drain`` waits for the rest (the end of the run). The actor asks for no CPU: it must never
+    keep a stage or learner from being scheduled, and it runs at one torch thread.
+    """
+
+    def __init__(self, cfg: RunConfig, teacher_dir: str, student_dir: str, prompts: list[list[int]]) -> None:
+        import ray
+
+        actor = ray.remote(num_cpus=0)(_AgreementActor)
+        self._actor = actor.options(name=None).remote(
+            teacher_dir,
+            student_dir,
+            prompts,
+            max_new_tokens=int(cfg.sampling.max_new_tokens),
+            seed=cfg.seed,
+            dtype=cfg.pipeline.teacher_dtype,
+        )
+        self._running: tuple[int, Any] | None = None
+        self._waiting: tuple[int, Any, bool] | None = None  # (version, weights ref, final)
+        self.eval_time = 0.0
+
+    def submit(self, version: int, model: torch.nn.Module, *, final: bool = False) -> None:
+        """Evaluate ``model``'s weights as they are now, as version ``version``."""
+        import ray
+
+        if self._waiting is not None and self._waiting[2] and not final:
+            return  # a final request waits: keep it
+        # every tensor of the model as its state dict names it (loaded strictly by the actor, so a
+        # model whose keys differ from the student checkpoint's fails loudly instead of evaluating
+        # the checkpoint's weights)
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self._waiting = (version, ray.put(weights), final)
+        self._start_next()
+
+    def _start_next(self) -> None:
+        if self._running is None and self._waiting is not None:
+            version, ref, _ = self._waiting
+            self._waiting = None
+            self._running = (version, self._actor.evaluate.remote(version, ref))
+
+    def poll(self, timeout: float = 0.0) -> list[dict[str, Any]]:
+        """Finished evaluations (``{"step", "metrics", "seconds", "samples"}``), oldest first."""
+        import ray
+
+        out = []
+        while self._running is not None:
+            ready, _ = ray.wait([self._running[1]], timeout=timeout)
+            if not ready:
+                break
+            out.append(ray.get(ready[0]))
+            self._running = None
+            self._start_next()
+        return out
+
+    def drain(self) -> list[dict[str, Any]]:
+        """Wait for every requested evaluation; returns them in order."""
+        out: list[dict[str, Any]] = []
+        while self._running is not None or self._waiting is not None:
+            out += self.poll(timeout=None)
+        return out
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self._actor, no_restart=True)
+
+
+class _AgreementActor:
+    """Holds the teacher, a student to load weights into, and the held-out prompts."""
+
+    def __init__(
+        self,
+        teacher_dir: str,
+        student_dir: str,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        seed: int,
+        dtype: str = "float32",
+    ) -> None:
+        from asyncrl.workloads.agreement import AgreementEvaluator
+        from asyncrl.workloads.checkpoints import load_model
+
+        torch.set_num_threads(1)
+        teacher, tokenizer = load_model(teacher_dir, role="teacher", dtype=getattr(torch, dtype))
+        self.student, _ = load_model(student_dir, role="student")
+        self.evaluator = AgreementEvaluator(
+            teacher, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed
+        )
+
+    def evaluate(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        self.student.load_state_dict(weights, strict=True)
+        res = self.evaluator(self.student)
+        return {"step": version, "metrics": res.metrics, "seconds": res.seconds, "samples": res.samples}

@@ -98,7 +98,10 @@ def workload_tokenizer(
     tokenizer files, so configs can be resolved before any model exists."""
     from asyncrl.workloads.checkpoints import shared_tokenizer
 
-    if student_path is not None:
+    if student_path is not None:  # a .gguf file: its converted directory (converted once, cached)
+        from asyncrl.workloads.gguf import materialize
+
+        student_path = materialize(student_path, cache_dir, field="workload.student_path")
         return _load_tokenizer(student_path, "workload.student_path")
     task_name = get_task(task).name
     preset_obj = get_preset(preset)

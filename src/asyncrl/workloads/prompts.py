@@ -380,12 +380,19 @@ def prompt_token_ids(table: pa.Table, column: str, tokenizer: Any, where: str) -
                 raise ValueError(f"prompt file {where!r}: a row has {problem}")
         return task_prompt_token_ids(tokenizer, values)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"prompts {where!r} have a 'messages' column but the model's tokenizer has no chat template; "
-            f"set tokenizer.chat_template and save it with the checkpoint, or give a 'prompt' column"
-        )
+        raise ValueError(no_chat_template(where, getattr(tokenizer, "name_or_path", None)))
     texts = [render_chat(tokenizer, chat, where) for chat in values]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def no_chat_template(where: str, checkpoint: str | None) -> str:
+    """The error for ``messages`` rows and a student tokenizer without a chat template."""
+    whose = f"the student checkpoint {checkpoint!r}" if checkpoint else "the student's tokenizer"
+    return (
+        f"prompt file {where!r} has chat 'messages' rows but {whose} has no chat template (chats are "
+        f"rendered with the student's tokenizer.chat_template); save one with the student "
+        f"(tokenizer.chat_template = ...; tokenizer.save_pretrained(dir)), or give 'prompt' text rows"
+    )
 
 
 def _chat_problem(chat: Any) -> str | None:
