@@ -72,6 +72,29 @@ BENCHES = [
     vs_trl("long", "running_sum, 33 new tokens, tiny pair"),
     vs_trl("qwen", "addition, 6 new tokens, qwen-tiny pair: Qwen's 151,936-token vocabulary"),
     Bench(
+        "vs_trl_smollm2",
+        "asyncrl vs TRL DistillationTrainer, smollm2 regime (real pair and chat prompts, up to 128 new "
+        "tokens, fp32 and bf16)",
+        "vs_trl.py",
+        # the regime's defaults (B 16, 12 steps, one round, 16 held-out prompts, every system)
+        ["--regime", "smollm2"],
+        [
+            "--regime",
+            "smollm2",
+            "--steps",
+            "4",
+            "--batch",
+            "4",
+            "--eval-size",
+            "4",
+            "--systems",
+            "trl",
+            "plain",
+        ],
+        uses_cache=True,
+        markdown_out=True,
+    ),
+    Bench(
         "vs_trl_long129",
         "asyncrl vs TRL DistillationTrainer, 129-token completions (running_sum_long, tiny pair, one round)",
         "vs_trl.py",

@@ -88,8 +88,11 @@ class Stages:
         # the generator's engine options (e.g. dtype=bfloat16), as a generator actor gets them
         self.engine = ENGINES.get(cfg.pipeline.engine).from_pretrained(student_dir, **plan.engine_options)
         train_ex, self.eval_examples = load_examples(cfg)
-        width = max(map(len, prompt_token_ids(self.tokenizer, [e.prompt for e in train_ex[:2048]])))
-        self.blocks = prompt_blocks(cfg, train_ex, self.tokenizer, width)
+        if train_ex is None:  # prompt files (workload.prompts_path, a real preset): the stream's blocks
+            self.blocks = file_blocks(cfg, plan.prompts, self.tokenizer)
+        else:
+            width = max(map(len, prompt_token_ids(self.tokenizer, [e.prompt for e in train_ex[:2048]])))
+            self.blocks = prompt_blocks(cfg, train_ex, self.tokenizer, width)
         self.optimizer = torch.optim.AdamW(
             self.student.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True
         )  # fused, as the learner's backend (asyncrl.backends.ddp)
@@ -155,6 +158,30 @@ class Stages:
         """The generator's side of a weight update: unpickle, unpack and load into the engine."""
         inband, buffers = payload
         self.engine.load_weights(unpack_weights(pickle.loads(inband, buffers=buffers)), version)
+
+
+def file_blocks(cfg: RunConfig, source: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """The blocks the pipeline streams from prompt files (``asyncrl.stream.FileStream`` with the
+    arguments ``asyncrl.pipeline.streamed`` gives ``StreamBlocks``), read in this process, no Ray."""
+    import itertools
+
+    from asyncrl.plan import stream_blocks
+    from asyncrl.stream import FileStream, local_reader
+
+    stream = FileStream(
+        source,
+        tokenizer,
+        seed=cfg.seed,
+        group_size=cfg.train.group_size,
+        block_samples=cfg.train.batch_size // cfg.pipeline.learner_workers,
+        window=cfg.workload.shuffle_window,
+        max_prompt_tokens=cfg.workload.max_prompt_tokens,
+        reader=local_reader(source.kind),
+    )
+    try:
+        return list(itertools.islice(stream, stream_blocks(cfg)))
+    finally:
+        stream.close()
 
 
 def measure_stage_times(cfg: RunConfig, *, repeats: int = 5, warmup: int = 2) -> dict[str, float]:

@@ -5,13 +5,38 @@
     python benchmarks/vs_trl.py --regime long --task <task> --max-new-tokens 129
     python benchmarks/vs_trl.py --regime qwen --cache-dir /work/cache    # 151,936-token vocabulary
     python benchmarks/vs_trl.py --steps 10 --rounds 1                    # smoke
+    python benchmarks/vs_trl.py --regime smollm2                         # real pair, chat prompts
+    python benchmarks/vs_trl.py --regime smollm2 --rounds 1 --steps 6 --batch 8 --systems trl plain
 
 Regimes: ``short`` = addition, 6 new tokens (3 digits + EOS, with slack), ``small`` pair; ``long`` =
 running_sum, 33 new tokens (32 digits + EOS), ``tiny`` pair; ``qwen`` = the short regime at a real
 vocabulary: the ``qwen-tiny`` pair (Qwen3 blocks, Qwen's 151,936 logits, BPE and ChatML prompts,
 which TRL renders from conversational rows; ``check_trl_prompts`` checks both systems prompt with
-the same ids) and its own default systems (``REGIMES`` says why).
-``--task`` / ``--max-new-tokens`` / ``--preset`` override them.
+the same ids) and its own default systems (``REGIMES`` says why); ``smollm2`` = a real pretrained
+pair on real chat prompts (``asyncrl prepare smollm2``: SmolLM2-135M-Instruct teacher, a 6-layer
+student pruned from it, vocabulary 49,152; ShareGPT first turns), from ``opd_smollm2.yaml`` (lr 1e-4,
+warmup 5): completions of up to 128 tokens ending at EOS (heavy-tailed lengths), its own defaults
+(B 16, 12 steps, one round) and systems, quality measured as held-out agreement with the teacher
+(below). ``--task`` / ``--max-new-tokens`` / ``--preset`` override them; every child runs offline
+(``HF_HUB_OFFLINE=1``).
+
+The real regime (``smollm2``, ``REGIMES[...]["eval"] == "agreement"``) differs from the task regimes:
+  * prompts: the prepared ``prompts/train.jsonl`` chat ``messages`` rows, streamed in asyncrl's seeded
+    order (``asyncrl.stream.FileStream``, read here without Ray: ``stage_times.file_blocks``); TRL gets
+    the same rows in the same order as conversational prompts and renders them with the student
+    tokenizer's chat template (``check_trl_prompts``: the same token ids as asyncrl's blocks);
+  * throughput in trained completion tokens/s (valid completion tokens of steps skip+1..N over the same
+    interval as samples/s), since completions end at EOS and their lengths vary;
+  * padding: the fraction of the learner's [B, P + T] positions that are padding after trimming to
+    the batch's longest prompt and completion (``records.padding_fraction``; TRL pads the same way:
+    prompts left to the batch's longest, completions right to its longest), mean over steps;
+  * peak memory: the peak RSS (``VmHWM``) of the child process and of every process under it
+    (Ray's workers: the learner, generators, scorers, ...), sampled every second until training ends;
+  * quality: ``asyncrl.workloads.agreement.AgreementEvaluator`` on the first ``--eval-size`` rows of
+    ``prompts/eval.jsonl`` (held out), seed 0, ``max_new_tokens`` as trained, fp32 teacher, on a fresh
+    fp32 copy of the final student, identical for every system (the teacher's greedy responses are
+    computed once, in the stages child). The stages child also evaluates the untrained student with
+    seeds 0 and 1: the difference is the evaluation's own sampling noise at a fixed student.
 
 Systems, all on the workload's pretrained pair from the asyncrl cache (``<cache>/<task>-<preset>-s0``,
 loaded with ``local_files_only``), the same prompt stream (the pipeline's seeded blocks, in order),
@@ -46,6 +71,11 @@ seed 0, ``--steps`` optimizer steps:
                (``pipeline.engine_options.dtype=bfloat16``); fp32 weights, optimizer and loss math
   lag2_colocated_mb2_bf16  lag2_colocated_mb2 with every part in bf16, as plain_bf16
   lag1_colocated_top16_bf16  lag1_colocated_top16 with every part in bf16 (the qwen regime's)
+  lag1_colocated_bf16  lag1_colocated with every part in bf16 (the smollm2 regime's)
+  lag2_colocated_mb2_top16  the ``opd_one_machine.yaml`` layout: max_lag=2, colocate, rollout batch 2B in
+               2 optimizer steps, top-16 forward KL (tail bucket); ``..._bf16`` with every part in bf16
+  lag2_top16_bf16  lag2_top16 (the stage-actor demo layout, ``opd_smollm2.yaml`` as shipped in the
+               smollm2 regime) with every part in bf16
   lag1_colocated_top16  lag1_colocated on the demo's top-16 cache (tail bucket): what asyncrl runs at
                a real vocabulary, where TRL's full-vocabulary teacher logits are the cost
   lag2_dense   asyncrl.run(...), pipeline.max_lag=2, dense forward KL
@@ -111,6 +141,7 @@ Every number printed is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -127,9 +158,11 @@ from typing import Any
 from asyncrl.raysetup import RAY_ENV, TORCH_ENV
 
 HERE = Path(__file__).resolve().parent
-CONFIG = HERE.parent / "examples" / "configs" / "opd_async.yaml"
-#: every child, TRL's included: the same process environment (``TORCH_ENV``: torch's allocator)
-ENV = {**RAY_ENV, **TORCH_ENV, "TRANSFORMERS_VERBOSITY": "error"}
+CONFIGS = HERE.parent / "examples" / "configs"
+CONFIG = CONFIGS / "opd_async.yaml"
+#: every child, TRL's included: the same process environment (``TORCH_ENV``: torch's allocator), and
+#: offline: every model and prompt comes from the local cache, nothing from a hub
+ENV = {**RAY_ENV, **TORCH_ENV, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
 
 #: the long regime's pair is ``tiny``: the ``small`` running_sum pair takes about 35 min of both cores
 #: to pretrain here, and at 33 new tokens generation is the longest stage with the tiny models too
@@ -155,7 +188,35 @@ REGIMES: dict[str, dict[str, Any]] = {
             "lag2_top16",
         ],
     },
+    #: a real pair and real chat prompts (``asyncrl prepare smollm2``), from its own config (lr 1e-4);
+    #: completions up to 128 tokens, ending at EOS. Stage actors run top-16 only (the shipped
+    #: opd_smollm2.yaml): a dense fp32 teacher cache is [B, T, 49152] (402 MB per batch of 16 x 128)
+    #: through the object store. Defaults sized for a few minutes per system on 2 cores.
+    "smollm2": {
+        "task": None,
+        "max_new_tokens": 128,
+        "preset": "smollm2",
+        "config": "opd_smollm2.yaml",
+        "eval": "agreement",
+        "defaults": {"steps": 12, "batch": 16, "rounds": 1, "eval_size": 16, "stage_repeats": 0},
+        "systems": [
+            "trl",
+            "trl_bf16",
+            "plain",
+            "plain_bf16",
+            "lag2_top16",
+            "lag2_top16_bf16",
+            "lag1_colocated",
+            "lag1_colocated_bf16",
+            "lag1_colocated_top16",
+            "lag1_colocated_top16_bf16",
+            "lag2_colocated_mb2_top16",
+            "lag2_colocated_mb2_top16_bf16",
+        ],
+    },
 }
+#: CLI defaults of a regime without ``defaults`` of its own
+DEFAULTS: dict[str, int] = {"steps": 60, "batch": 32, "rounds": 3, "eval_size": 256, "stage_repeats": 5}
 DENSE = ["estimator.options.dense=true"]
 #: mixed precision, every part: the learner's bf16 autocast, the teacher and the rollout engine in bf16
 #: (TRL: ``bf16=True``, accelerate's autocast around its model's forward)
@@ -219,6 +280,25 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         ["pipeline.max_lag=2", "pipeline.colocate=true", "train.minibatches=2", *DENSE, *BF16],
         1,
     ),
+    "lag1_colocated_bf16": (
+        "asyncrl `max_lag=1`, dense forward KL, `colocate` (a rollout thread beside the step), bf16",
+        "pipeline",
+        ["pipeline.max_lag=1", "pipeline.colocate=true", *DENSE, *BF16],
+        1,
+    ),
+    "lag2_colocated_mb2_top16": (
+        "asyncrl `max_lag=2`, top-16 forward KL, `colocate`, rollout batch 2B in 2 optimizer steps "
+        "(the `opd_one_machine.yaml` layout)",
+        "pipeline",
+        ["pipeline.max_lag=2", "pipeline.colocate=true", "train.minibatches=2"],
+        1,
+    ),
+    "lag2_colocated_mb2_top16_bf16": (
+        "asyncrl `max_lag=2`, top-16 forward KL, `colocate`, rollout batch 2B in 2 optimizer steps, bf16",
+        "pipeline",
+        ["pipeline.max_lag=2", "pipeline.colocate=true", "train.minibatches=2", *BF16],
+        1,
+    ),
     "lag1_colocated_top16": (
         "asyncrl `max_lag=1`, top-16 forward KL, `colocate` (a rollout thread beside the learner's step)",
         "pipeline",
@@ -236,6 +316,12 @@ SYSTEMS: dict[str, tuple[str, str, list[str], int | None]] = {
         "asyncrl `max_lag=2`, top-16 forward KL (demo default)",
         "pipeline",
         ["pipeline.max_lag=2"],
+        1,
+    ),
+    "lag2_top16_bf16": (
+        "asyncrl `max_lag=2`, top-16 forward KL (demo default), bf16",
+        "pipeline",
+        ["pipeline.max_lag=2", *BF16],
         1,
     ),
     "lag2_fused": (
@@ -268,18 +354,19 @@ REFERENCE = "trl"
 
 # --- shared by every child --------------------------------------------------------------------------
 def run_config(spec: dict[str, Any], more: list[str], *, parse_only: bool = False) -> Any:
-    """The demo config with the benchmark's settings and a system's overrides. A system's
-    ``train.minibatches=N`` keeps B samples per optimizer step: its rollout batch is N x B.
-    ``parse_only``: ``parse_config`` (no torch import; ``asyncrl.run`` resolves it beside Ray's
-    start, as for ``asyncrl run``), else ``load_config``."""
+    """The regime's config (the demo's, ``opd_async.yaml``, unless the regime names its own) with the
+    benchmark's settings and a system's overrides. A system's ``train.minibatches=N`` keeps B samples
+    per optimizer step: its rollout batch is N x B. ``parse_only``: ``parse_config`` (no torch import;
+    ``asyncrl.run`` resolves it beside Ray's start, as for ``asyncrl run``), else ``load_config``."""
     from asyncrl.config import load_config, parse_config
 
     minibatches = [int(m.split("=", 1)[1]) for m in more if m.startswith("train.minibatches=")]
     rollout_batch = spec["batch"] * (minibatches[-1] if minibatches else 1)
+    task = [f"workload.task={spec['task']}"] if spec.get("task") else []
     return (parse_config if parse_only else load_config)(
-        CONFIG,
+        CONFIGS / spec.get("config", CONFIG.name),
         [
-            f"workload.task={spec['task']}",
+            *task,
             f"workload.preset={spec['preset']}",
             f"workload.cache_dir={spec['cache_dir']}",
             f"seed={spec['seed']}",
@@ -296,6 +383,12 @@ def run_config(spec: dict[str, Any], more: list[str], *, parse_only: bool = Fals
     )
 
 
+def is_agreement(spec: dict[str, Any]) -> bool:
+    """Whether the regime's quality is held-out agreement with the teacher (a real preset's chat
+    prompts have no answers), not the task's exact match."""
+    return spec.get("eval") == "agreement"
+
+
 def final_exact_match(model: Any, tokenizer: Any, spec: dict[str, Any]) -> float:
     from asyncrl.workloads import exact_match, get_task
 
@@ -304,33 +397,126 @@ def final_exact_match(model: Any, tokenizer: Any, spec: dict[str, Any]) -> float
     return exact_match(model.eval(), tokenizer, task, examples, spec["max_new_tokens"])
 
 
+def agreement_prompt_ids(spec: dict[str, Any], tokenizer: Any) -> list[list[int]]:
+    """Token ids of the first ``eval_size`` held-out prompts (``prompts/eval.jsonl``), chat-templated
+    as the run's own agreement eval prompts them (``asyncrl.plan.eval_plan``)."""
+    from asyncrl.workloads import prompts as P
+    from asyncrl.workloads.real import paths
+
+    source = P.PromptSource.open(paths(spec["preset"], spec["cache_dir"])["eval_prompts"])
+    return [
+        [int(t) for t in ids]
+        for f, table, _ in source.head(spec["eval_size"])
+        for ids in P.prompt_token_ids(table, source.prompt_column, tokenizer, f)
+    ]
+
+
+def agreement(
+    student: Any,
+    tokenizer: Any,
+    spec: dict[str, Any],
+    *,
+    seed: int = 0,
+    teacher_texts: list[str] | None = None,
+) -> tuple[dict[str, float], list[str]]:
+    """``AgreementEvaluator`` metrics of ``student`` (and the teacher's greedy responses), the same
+    for every system: fp32 teacher, a fresh fp32 copy of the student (no trainer's autocast wrapper),
+    the regime's ``max_new_tokens``, eval seed ``seed``. ``teacher_texts``: the teacher's greedy
+    responses when already computed (the teacher is frozen and greedy decoding deterministic)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.workloads.agreement import AgreementEvaluator
+
+    torch.set_num_threads(os.cpu_count() or 1)  # not timed: the eval may use every core
+    teacher_dir, student_dir = pair_dirs(spec)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32, local_files_only=True)
+    fresh = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32, local_files_only=True)
+    fresh.load_state_dict({k: v.detach().float() for k, v in student.state_dict().items()})
+    ev = AgreementEvaluator(
+        teacher,
+        tokenizer,
+        agreement_prompt_ids(spec, tokenizer),
+        max_new_tokens=spec["max_new_tokens"],
+        seed=seed,
+    )
+    if teacher_texts is not None:
+        ev._teacher_texts = list(teacher_texts)  # computed once, in the stages child (same prompts)
+    res = ev(fresh)
+    return {**res.metrics, "eval_s": res.seconds}, ev.teacher_texts()
+
+
+def final_quality(model: Any, tokenizer: Any, spec: dict[str, Any]) -> dict[str, float]:
+    """The final student's quality, identical for every system: ``exact_match`` for a task regime,
+    the agreement metrics (``agreement``, seed 0) for a real one."""
+    if not is_agreement(spec):
+        return {"exact_match": final_exact_match(model, tokenizer, spec)}
+    texts = json.loads(Path(spec["teacher_texts"]).read_text()) if spec.get("teacher_texts") else None
+    return agreement(model, tokenizer, spec, teacher_texts=texts)[0]
+
+
 def pair_dirs(spec: dict[str, Any]) -> tuple[Path, Path]:
     """(teacher, student) checkpoint directories; a clear error naming the command that creates them."""
     from asyncrl.workloads.checkpoints import missing_parts, run_dir_for
+    from asyncrl.workloads.real import is_real, paths
 
-    root = run_dir_for(spec["task"], spec["preset"], 0, spec["cache_dir"])
+    if is_real(spec["preset"]):
+        made = paths(spec["preset"], spec["cache_dir"])
+        root = Path(made["root"])
+        command = f"asyncrl prepare {spec['preset']} --cache-dir {spec['cache_dir']}"
+        need = [Path(made["train_prompts"]), Path(made["eval_prompts"])]
+        gone = [str(f) for f in need if not f.is_file()]
+        if gone:
+            raise SystemExit(f"vs_trl: the prepared prompts {', '.join(gone)} are missing; run: {command}")
+    else:
+        root = run_dir_for(spec["task"], spec["preset"], 0, spec["cache_dir"])
+        command = f"asyncrl pretrain --task {spec['task']} --preset {spec['preset']}"
+        command += f" --cache-dir {spec['cache_dir']}"
     for role in ("teacher", "student"):
         missing = missing_parts(root / role)
         if missing:
             raise SystemExit(
                 f"vs_trl: the pretrained {role} {root / role} is missing ({', '.join(missing)}); create the "
-                f"pair with: asyncrl pretrain --task {spec['task']} --preset {spec['preset']} "
-                f"--cache-dir {spec['cache_dir']}"
+                f"pair with: {command}"
             )
     return root / "teacher", root / "student"
 
 
-def prompt_stream(cfg: Any, tokenizer: Any) -> list[str]:
-    """The prompts of the first ``train.steps`` batches, in the order asyncrl trains on them."""
+def prompt_stream(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[list[int]]]:
+    """The prompts of the first ``train.steps`` batches, in the order asyncrl trains on them: TRL's
+    ``prompt`` column (``trl_rows``) and the token ids asyncrl prompts the student with.
+
+    A task's split: the driver's blocks (``prompt_blocks``). Prompt files (a real preset): the
+    stream's blocks (``stage_times.file_blocks``), and each row's ``messages`` chat by ``prompt_id``."""
     from asyncrl import records as R
-    from asyncrl.plan import load_examples, prompt_blocks
+    from asyncrl.plan import load_examples, make_plan, prompt_blocks
     from asyncrl.workloads.tasks import prompt_token_ids
 
     train, _ = load_examples(cfg)
+    if train is None:
+        from stage_times import file_blocks
+
+        from asyncrl.stream import local_reader
+        from asyncrl.workloads import prompts as P
+
+        source = make_plan(cfg).prompts
+        blocks = file_blocks(cfg, source, tokenizer)[: cfg.train.steps]
+        by_id: dict[int, Any] = {}
+        for table in local_reader(source.kind)(source.files):
+            ids = P.prompt_ids(table, source.prompt_column)
+            by_id.update(zip(map(int, ids), table.column(source.prompt_column).to_pylist()))
+        rows = [by_id[int(i)] for b in blocks for i in b[R.PROMPT_ID]]
+        ids = [
+            [int(t) for t in row[mask]]
+            for b in blocks
+            for row, mask in zip(b[R.PROMPT_IDS], b[R.PROMPT_MASK].astype(bool))
+        ]
+        return rows, ids
     width = max(map(len, prompt_token_ids(tokenizer, [e.prompt for e in train])))
-    by_id = {e.prompt_id: e.prompt for e in train}
+    by_text = {e.prompt_id: e.prompt for e in train}
     blocks = prompt_blocks(cfg, train, tokenizer, width)[: cfg.train.steps]
-    return [by_id[int(i)] for b in blocks for i in b[R.PROMPT_ID]]
+    prompts = [by_text[int(i)] for b in blocks for i in b[R.PROMPT_ID]]
+    return trl_rows(tokenizer, prompts), prompt_token_ids(tokenizer, prompts)
 
 
 def trl_rows(tokenizer: Any, prompts: list[str]) -> list[Any]:
@@ -342,22 +528,82 @@ def trl_rows(tokenizer: Any, prompts: list[str]) -> list[Any]:
     return list(prompts)
 
 
-def check_trl_prompts(trainer: Any, tokenizer: Any, rows: list[Any], prompts: list[str]) -> None:
+def check_trl_prompts(trainer: Any, rows: list[Any], ours: list[list[int]]) -> None:
     """TRL must prompt the student with the token ids asyncrl prompts it with (chat template or
     raw text with the tokenizer's special tokens), or the two systems train different tasks."""
-    from asyncrl.workloads.tasks import prompt_token_ids
-
     theirs = [list(ids) for ids in trainer._tokenize_prompts(rows)[0]]
-    ours = prompt_token_ids(tokenizer, prompts)
     if theirs != ours:
         bad = next(i for i, (a, b) in enumerate(zip(theirs, ours, strict=True)) if a != b)
         raise SystemExit(
-            f"vs_trl: TRL tokenizes prompt {bad} ({prompts[bad]!r}) as {theirs[bad]}, asyncrl as {ours[bad]}"
+            f"vs_trl: TRL tokenizes prompt {bad} ({rows[bad]!r}) as {theirs[bad]}, asyncrl as {ours[bad]}"
         )
+
+
+class PeakRSS:
+    """Peak resident memory (``VmHWM``) of this process and of every process under it (Ray's
+    raylet, workers, Train workers: started by this process's ``ray.init``), sampled every
+    ``every_s`` seconds in a thread until ``stop()``. ``VmHWM`` is a process's own high-water mark,
+    so a process read at least once before it exits is reported at its true peak."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        import threading
+
+        self.every_s = every_s
+        self.peaks: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _hwm_mb(pid: int) -> float | None:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+        except OSError:
+            return None
+        return None
+
+    def sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        procs = [me]
+        with contextlib.suppress(psutil.Error):
+            procs += me.children(recursive=True)
+        for p in procs:
+            hwm = self._hwm_mb(p.pid)
+            if hwm is None:
+                continue
+            if p.pid == me.pid:
+                name = "main"
+            else:
+                try:
+                    cmd = p.cmdline()
+                    name = (cmd[0] if cmd and cmd[0].startswith("ray::") else p.name()) or "?"
+                except psutil.Error:
+                    continue
+            old = self.peaks.get(p.pid)
+            self.peaks[p.pid] = (name, max(hwm, old[1] if old else 0.0))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling (one last sample first); ``{"main": MiB, "processes": [[name, MiB], ...]}``,
+        the others largest first."""
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        main = next(mb for name, mb in self.peaks.values() if name == "main")
+        others = sorted((v for v in self.peaks.values() if v[0] != "main"), key=lambda v: -v[1])
+        return {"main": main, "processes": [[n, round(mb, 1)] for n, mb in others]}
 
 
 # --- children ---------------------------------------------------------------------------------------
 def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -> dict[str, Any]:
+    peaks = PeakRSS()
     import torch
 
     if threads is not None:
@@ -367,6 +613,7 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
 
+    from asyncrl import records as R
     from asyncrl.backends.base import scheduled_lr
 
     cfg = run_config(spec, overrides)
@@ -376,6 +623,8 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32, local_files_only=True)
     tc = cfg.train
     step_ends: list[float] = []
+    tokens: list[int] = []
+    padding: list[float] = []
 
     class StepClock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # after the optimizer step
@@ -388,6 +637,14 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
                     optimizer or self.optimizer, lambda k: scheduled_lr(tc, k) / tc.lr
                 )
             return self.lr_scheduler
+
+        def _generate_and_score_completions(self, inputs):
+            # what the step trains: its valid completion tokens and its padding (asyncrl's definition)
+            out = super()._generate_and_score_completions(inputs)
+            masks = {R.PROMPT_MASK: out["prompt_mask"].cpu(), R.COMPLETION_MASK: out["completion_mask"].cpu()}
+            tokens.append(int(masks[R.COMPLETION_MASK].sum()))
+            padding.append(R.padding_fraction(masks))
+            return out
 
     args = DistillationConfig(
         output_dir=spec["run_dir"],
@@ -413,8 +670,7 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    prompts = prompt_stream(cfg, tok)
-    rows = trl_rows(tok, prompts)
+    rows, ids = prompt_stream(cfg, tok)
     trainer = Trainer(
         model=student,
         teacher_model=teacher,
@@ -423,12 +679,16 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
         processing_class=tok,
         callbacks=[StepClock()],
     )
-    check_trl_prompts(trainer, tok, rows[: tc.batch_size], prompts[: tc.batch_size])
+    check_trl_prompts(trainer, rows[: tc.batch_size], ids[: tc.batch_size])
     own = trainer.train().metrics
+    memory = peaks.stop()
     return {
         "step_ends": step_ends,
         "kept": [tc.batch_size] * len(step_ends),
-        "exact_match": final_exact_match(trainer.model, tok, spec),
+        "tokens": tokens,
+        "padding": padding,
+        "memory": memory,
+        **final_quality(trainer.model, tok, spec),
         "threads": torch.get_num_threads(),
         "checkpointing": bool(trainer.args.activation_checkpointing),
         "trl_train_samples_per_s": own.get("train_samples_per_second"),  # TRL's own figure, incl. step 1
@@ -436,33 +696,54 @@ def child_trl(spec: dict[str, Any], threads: int | None, overrides: list[str]) -
 
 
 def child_plain(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    peaks = PeakRSS()
+    import stage_times
     from async_vs_sync import plain_loop
     from transformers import AutoTokenizer
+
+    from asyncrl import records as R
 
     cfg = run_config(spec, overrides)
     _, student_dir = pair_dirs(spec)
     step_ends: list[float] = []
     trained: dict[str, Any] = {}
+    tokens: list[int] = []
+    padding: list[float] = []
+    learn = stage_times.Stages.learn
+
+    def counted(self: Any, batch: dict[str, Any], step: int) -> float:
+        # what the step trains (this child only): valid completion tokens and padding after trimming
+        tokens.append(int(batch[R.COMPLETION_MASK].sum()))
+        padding.append(R.padding_fraction(batch))
+        return learn(self, batch, step)
+
+    stage_times.Stages.learn = counted
 
     def on_step(step: int, student: Any) -> None:
         step_ends.append(time.time())
         trained["model"] = student
 
     plain_loop(cfg, warmup=min(2, cfg.train.steps - 1), on_step=on_step)
+    memory = peaks.stop()
     tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
     return {
         "step_ends": step_ends,
         "kept": [cfg.train.batch_size] * len(step_ends),
-        "exact_match": final_exact_match(trained["model"], tok, spec),
+        "tokens": tokens,
+        "padding": padding,
+        "memory": memory,
+        **final_quality(trained["model"], tok, spec),
     }
 
 
 def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    peaks = PeakRSS()
     import asyncrl
 
     # as `asyncrl run` does: nothing heavy imported before asyncrl.run, which imports torch and
     # the components beside Ray's start (the first step is measured from this process's launch)
     res = asyncrl.run(run_config(spec, overrides, parse_only=True))
+    memory = peaks.stop()
     cfg = res.config
     import pandas as pd
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -488,12 +769,22 @@ def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     model = AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True)
     tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
     s = res.summary
+    mem = {
+        k: max(r[k] for r in rows if k in r)
+        for k in ("mem/learner_rss_mb", "mem/ray_workers_rss_mb")
+        if any(k in r for r in rows)
+    }
     return {
         "breakdown": step_breakdown(steps, samples, spec["skip"]),
         "step_ends": step_ends,
         "kept": [r.get("samples/kept", cfg.train.batch_size) for r in steps],
-        "exact_match": final_exact_match(model, tok, spec),
+        "tokens": [r["tokens/trained"] for r in steps] if all("tokens/trained" in r for r in steps) else None,
+        "padding": [r["tokens/padding_frac"] for r in steps if "tokens/padding_frac" in r] or None,
+        "memory": {**memory, "run_metrics_max": mem},
+        **final_quality(model, tok, spec),
         "summary_samples_per_s": s.get("samples_per_s"),
+        "summary_tokens_per_s": s.get("tokens_per_s"),
+        "summary_first_step_s": s.get("first_step_s"),
         "summary_wall_s": s.get("wall_time_s"),
         "lag_max": s.get("lag_max"),
         "samples_dropped": s.get("samples_dropped"),
@@ -526,7 +817,9 @@ def step_breakdown(steps: list[dict[str, Any]], samples: Any, skip: int) -> dict
 
 
 def child_stages(spec: dict[str, Any]) -> dict[str, Any]:
-    """Stage times and two-core limits per cache, the untrained student's exact match, and the parity."""
+    """Stage times and two-core limits per cache (none with ``stage_repeats`` 0), the untrained
+    student's quality (an agreement regime: at eval seeds 0 and 1, the evaluation's own noise, and
+    the teacher's greedy responses saved for every system's final eval), and the parity."""
     import torch
     from stage_times import Stages, measure_stage_times, throughput_bound
     from trl_parity import compare
@@ -534,7 +827,8 @@ def child_stages(spec: dict[str, Any]) -> dict[str, Any]:
     from asyncrl import records as R
 
     out: dict[str, Any] = {"limits": {}}
-    for key, more in (("dense", DENSE), ("top16", []), ("dense_bf16", [*DENSE, *BF16])):
+    caches = (("dense", DENSE), ("top16", []), ("dense_bf16", [*DENSE, *BF16]))
+    for key, more in caches if spec["stage_repeats"] > 0 else ():
         cfg = run_config(spec, ["pipeline.torch_threads=1", *more])
         times = measure_stage_times(cfg, repeats=spec["stage_repeats"], warmup=2)
         out["limits"][key] = {
@@ -542,7 +836,15 @@ def child_stages(spec: dict[str, Any]) -> dict[str, Any]:
             **throughput_bound(times, cfg.train.batch_size, spec["cores"]),
         }
     stages = Stages(run_config(spec, ["pipeline.torch_threads=1", *DENSE]))
-    out["initial_exact_match"] = final_exact_match(stages.student, stages.tokenizer, spec)
+    if is_agreement(spec):
+        out["initial"], texts = agreement(stages.student, stages.tokenizer, spec, seed=0)
+        out["initial_seed1"], _ = agreement(
+            stages.student, stages.tokenizer, spec, seed=1, teacher_texts=texts
+        )
+        Path(spec["teacher_texts"]).write_text(json.dumps(texts))
+        torch.set_num_threads(1)  # the parity below, as before
+    else:
+        out["initial_exact_match"] = final_exact_match(stages.student, stages.tokenizer, spec)
     stages.student.train()
     batch = stages.generate(0)
     torch.manual_seed(0)
@@ -569,10 +871,12 @@ def launch(spec: dict[str, Any], log: Path) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     env = {**os.environ, **ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent / "src"), env.get("PYTHONPATH")) if p)
+    load_before = os.getloadavg()[0]
     t_launch = time.time()
     with open(log, "w") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
     t_exit = time.time()
+    load_after = os.getloadavg()[0]
     lines = log.read_text().splitlines()
     result = [ln for ln in lines if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not result:
@@ -580,6 +884,7 @@ def launch(spec: dict[str, Any], log: Path) -> dict[str, Any]:
         raise SystemExit(f"vs_trl: {spec['system']} failed (exit {proc.returncode}); log {log}:\n{tail}")
     out = json.loads(result[-1][len("RESULT ") :])
     out["launch"], out["process_s"] = t_launch, t_exit - t_launch
+    out["loadavg_1m"] = [load_before, load_after]  # the machine's 1-minute load at launch and exit
     return out
 
 
@@ -588,13 +893,28 @@ def figures(res: dict[str, Any], skip: int) -> dict[str, float]:
     ends, kept, n = res["step_ends"], res["kept"], len(res["step_ends"])
     if n <= skip:
         raise SystemExit(f"vs_trl: {n} steps leave nothing after --skip {skip}; raise --steps")
-    return {
-        "steady_samples_per_s": sum(kept[skip:]) / (ends[-1] - ends[skip - 1]),
+    dt = ends[-1] - ends[skip - 1]
+    out = {
+        "steady_samples_per_s": sum(kept[skip:]) / dt,
         "wall_s": ends[-1] - res["launch"],
         "first_step_s": ends[0] - res["launch"],
         "process_s": res["process_s"],
-        "exact_match": res["exact_match"],
     }
+    if res.get("tokens"):  # trained completion tokens over the same steps and interval
+        if len(res["tokens"]) != n:
+            raise SystemExit(f"vs_trl: {len(res['tokens'])} token counts for {n} steps")
+        out["steady_tokens_per_s"] = sum(res["tokens"][skip:]) / dt
+    if res.get("padding"):
+        out["padding_frac"] = statistics.mean(res["padding"])
+    if res.get("memory"):
+        out["peak_rss_main_mb"] = res["memory"]["main"]
+        out["peak_rss_other_max_mb"] = max((mb for _, mb in res["memory"]["processes"]), default=0.0)
+    out.update({k: res[k] for k in QUALITY if k in res})
+    return out
+
+
+#: the quality figures a child may report (``final_quality``)
+QUALITY = ("exact_match", "kl_forward", "kl_reverse", "top1_agree", "teacher_nll", "rouge_l")
 
 
 def exact_match_spread(rows: list[dict[str, float]]) -> str:
@@ -606,7 +926,148 @@ def exact_match_spread(rows: list[dict[str, float]]) -> str:
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f} ({len(xs)} seeds)"
 
 
+def is_bf16(system: str) -> bool:
+    return "train.precision=bf16" in SYSTEMS[system][2]
+
+
+def reference_for(system: str, medians: dict[str, Any]) -> str:
+    """The TRL row a system is compared with: TRL at the same precision when it ran, else ``trl``."""
+    return "trl_bf16" if is_bf16(system) and "trl_bf16" in medians else REFERENCE
+
+
+#: issue 41's floors for the real regime: tokens/s ratio to TRL, first step, learner padding
+GOALS = {"tokens_ratio": 1.5, "first_step_s": 20.0, "padding_frac": 0.25}
+
+
+def markdown_agreement(report: dict[str, Any]) -> str:
+    """The real regime's table: tokens/s, samples/s, first step, padding, peak memory and held-out
+    agreement per system, then the goals, the evaluation's noise, memory per process, step breakdowns."""
+    m, st, cfg = report["medians"], report["stages"], report["settings"]
+    steps, skip = cfg["steps"], cfg["skip"]
+    lines = [
+        f"B={cfg['batch']} samples per optimizer step, completions up to {cfg['max_new_tokens']} tokens "
+        f"(ending at EOS), {steps} steps (steady state: steps {skip + 1}..{steps}), "
+        f"{cfg['rounds']} round(s), lr {cfg['lr']:g}, held-out agreement on the first {cfg['eval_size']} "
+        f"rows of prompts/eval.jsonl (eval seed 0). 1-minute load average at each launch / exit: "
+        + ", ".join(
+            f"{n} {r[0]['loadavg_1m'][0]:.1f}/{r[0]['loadavg_1m'][1]:.1f}"
+            for n, r in report["rounds"].items()
+            if "loadavg_1m" in r[0]
+        )
+        + ".",
+        "",
+        "| system | tokens/s | × TRL | samples/s | first step | wall for "
+        f"{steps} steps | learner padding | peak RSS main / largest other process | "
+        "held-out KL(student‖teacher) | KL(teacher‖student) | top-1 agree | teacher NLL | ROUGE-L |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in m.items():
+        label, threads = SYSTEMS[name][0], report["rounds"][name][0].get("threads")
+        if SYSTEMS[name][3] is None and threads is not None:
+            label += f" ({threads})"
+        ref = reference_for(name, m)
+        tok = row.get("steady_tokens_per_s")
+        ratio = f"{tok / m[ref]['steady_tokens_per_s']:.2f}" + (" (vs TRL bf16)" if ref != REFERENCE else "")
+        pad = f"{100 * row['padding_frac']:.1f} %" if "padding_frac" in row else "n/a"
+        other = row.get("peak_rss_other_max_mb")
+        mem = (
+            f"{row['peak_rss_main_mb']:.0f} / {other:.0f} MiB"
+            if other
+            else f"{row['peak_rss_main_mb']:.0f} MiB / -"
+        )
+        lines.append(
+            f"| {label} | {tok:.1f} | {ratio} | {row['steady_samples_per_s']:.2f} "
+            f"| {row['first_step_s']:.1f} s "
+            f"| {row['wall_s']:.1f} s | {pad} | {mem} | {row['kl_reverse']:.4f} | {row['kl_forward']:.4f} "
+            f"| {row['top1_agree']:.3f} | {row['teacher_nll']:.3f} | {row['rouge_l']:.3f} |"
+        )
+    for key, tag in (("initial", "seed 0"), ("initial_seed1", "seed 1")):
+        q = st[key]
+        lines.append(
+            f"| untrained student (eval {tag}) | | | | | | | | {q['kl_reverse']:.4f} | {q['kl_forward']:.4f} "
+            f"| {q['top1_agree']:.3f} | {q['teacher_nll']:.3f} | {q['rouge_l']:.3f} |"
+        )
+    noise = {
+        k: abs(st["initial"][k] - st["initial_seed1"][k]) for k in ("kl_reverse", "kl_forward", "top1_agree")
+    }
+    asyncrl_rows = {n: r for n, r in m.items() if SYSTEMS[n][1] != "trl"}
+    lines += ["", "Goals (issue 41, floors):"]
+    for bf16 in (False, True):
+        rows = {n: r for n, r in asyncrl_rows.items() if is_bf16(n) == bf16 and "steady_tokens_per_s" in r}
+        ref = "trl_bf16" if bf16 else REFERENCE
+        if not rows or ref not in m:
+            continue
+        best = max(rows, key=lambda n: rows[n]["steady_tokens_per_s"])
+        ratio = rows[best]["steady_tokens_per_s"] / m[ref]["steady_tokens_per_s"]
+        verdict = "met" if ratio >= GOALS["tokens_ratio"] else "**missed**"
+        lines.append(
+            f"- tokens/s, {'bf16' if bf16 else 'fp32'}: best asyncrl layout `{best}` "
+            f"{rows[best]['steady_tokens_per_s']:.1f} vs `{ref}` {m[ref]['steady_tokens_per_s']:.1f} = "
+            f"{ratio:.2f}x (goal >= {GOALS['tokens_ratio']}x): {verdict}; its held-out KL(student‖teacher) "
+            f"{rows[best]['kl_reverse']:.4f} vs TRL's {m[ref]['kl_reverse']:.4f} (eval noise at a fixed "
+            f"student, seeds 0 vs 1: {noise['kl_reverse']:.4f}; one training seed per system"
+            + (")" if cfg["rounds"] < 2 else f", medians of {cfg['rounds']} seeds)")
+            + "."
+        )
+    over = {
+        n: r["first_step_s"] for n, r in asyncrl_rows.items() if r["first_step_s"] > GOALS["first_step_s"]
+    }
+    firsts = ", ".join(f"`{n}` {r['first_step_s']:.1f} s" for n, r in asyncrl_rows.items())
+    lines.append(
+        f"- first optimizer step <= {GOALS['first_step_s']:.0f} s after the command: "
+        + ("met by every asyncrl system" if not over else f"**missed** by {len(over)} of {len(asyncrl_rows)}")
+        + f" ({firsts})."
+    )
+    pads = {n: r["padding_frac"] for n, r in m.items() if "padding_frac" in r}
+    bad = {n: v for n, v in pads.items() if v > GOALS["padding_frac"] and SYSTEMS[n][1] != "trl"}
+    lines.append(
+        f"- learner padding <= {100 * GOALS['padding_frac']:.0f} %: "
+        + ("met" if not bad else "**missed**: " + ", ".join(f"`{n}` {100 * v:.1f} %" for n, v in bad.items()))
+        + " (every system: "
+        + ", ".join(f"`{n}` {100 * v:.1f} %" for n, v in pads.items())
+        + ")."
+    )
+    lines += ["", "Peak RSS per process (MiB, VmHWM sampled every second; processes over 100 MiB):"]
+    for name, rows in report["rounds"].items():
+        mem = rows[0].get("memory")
+        if not mem:
+            continue
+        procs = "; ".join(f"{n} {mb:.0f}" for n, mb in mem["processes"] if mb >= 100)
+        lines.append(f"- `{name}`: main {mem['main']:.0f}" + (f"; {procs}" if procs else ""))
+    lines += breakdown_lines(report)
+    p = st["parity"]
+    lines += [
+        "",
+        f"Parity on the first batch (same weights, teacher, completions): asyncrl dense forward KL "
+        f"{p['loss_asyncrl']:.6f} vs TRL beta=0 {p['loss_trl']:.6f} (relative difference "
+        f"{p['loss_rel_diff']:.1e}; gradients {p['grad_rel_diff']:.1e}).",
+    ]
+    return "\n".join(lines)
+
+
+def breakdown_lines(report: dict[str, Any]) -> list[str]:
+    """Each pipeline system's step breakdown (median ms over rounds), from the run's own telemetry."""
+    lines = []
+    for name, rows in report["rounds"].items():
+        if "breakdown" in rows[0]:
+            b = {k: statistics.median(r["breakdown"][k] for r in rows) for k in rows[0]["breakdown"]}
+            lines.append(
+                f"\n{name} step (median ms): {b['step']:.0f} = data wait {b['data_wait']:.0f} + compute "
+                f"{b['compute']:.0f} + publish {b['publish']:.0f}"
+                + (
+                    f"; per batch: generate {b['generate']:.0f}, score {b['score']:.0f}, hand-offs "
+                    f"{b['handoff_gen_to_score']:.0f} + {b['handoff_score_to_learner']:.0f}, generator "
+                    f"admission wait {b['admission_wait']:.0f}."
+                    if "generate" in b
+                    else "."
+                )
+            )
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
+    if report["settings"].get("eval") == "agreement":
+        return markdown_agreement(report)
     m, ref = report["medians"], report["medians"][REFERENCE]
     steps = report["settings"]["steps"]
     head = (
@@ -642,20 +1103,7 @@ def markdown(report: dict[str, Any]) -> str:
     st = report["stages"]
     stage_ms = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in st["limits"]["dense"]["stage_s"].items())
     p = st["parity"]
-    for name, rows in report["rounds"].items():
-        if "breakdown" in rows[0]:
-            b = {k: statistics.median(r["breakdown"][k] for r in rows) for k in rows[0]["breakdown"]}
-            lines.append(
-                f"\n{name} step (median ms): {b['step']:.0f} = data wait {b['data_wait']:.0f} + compute "
-                f"{b['compute']:.0f} + publish {b['publish']:.0f}"
-                + (
-                    f"; per batch: generate {b['generate']:.0f}, score {b['score']:.0f}, hand-offs "
-                    f"{b['handoff_gen_to_score']:.0f} + {b['handoff_score_to_learner']:.0f}, generator "
-                    f"admission wait {b['admission_wait']:.0f}."
-                    if "generate" in b
-                    else "."
-                )
-            )
+    lines += breakdown_lines(report)
     padded = "1e-4: this batch has left-padded prompts (RoPE float error)"
     tol = padded if p.get("left_padded") else "1e-5"
     lines += [
@@ -669,6 +1117,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def cpu_model() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``), as BENCHMARKS.md names it."""
+    from make_benchmarks_md import cpu_model as model
+
+    return model()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--regime", choices=sorted(REGIMES), default="short")
@@ -676,12 +1131,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="override the regime's new tokens")
     ap.add_argument("--preset", default=None, help="override the regime's model preset")
     ap.add_argument("--cache-dir", default=".asyncrl_cache", help="where the pretrained pairs are")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    regime_default = "default: the regime's ({})".format(
+        ", ".join(f"{k}: {v}" for k, v in DEFAULTS.items())
+        + "; smollm2: "
+        + ", ".join(f"{k} {v}" for k, v in REGIMES["smollm2"]["defaults"].items())
+    )
+    ap.add_argument("--steps", type=int, default=None, help=regime_default)
+    ap.add_argument("--batch", type=int, default=None, help="samples per optimizer step")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds, round r runs seed r")
     ap.add_argument("--skip", type=int, default=2, help="steps excluded from steady samples/s")
-    ap.add_argument("--eval-size", type=int, default=256)
-    ap.add_argument("--stage-repeats", type=int, default=5)
+    ap.add_argument("--eval-size", type=int, default=None, help="held-out prompts of the final eval")
+    ap.add_argument(
+        "--stage-repeats",
+        type=int,
+        default=None,
+        help="stage-time rounds of the limit rows (0: no limit rows)",
+    )
     ap.add_argument("--cores", type=int, default=os.cpu_count(), help="CPU cores of the limit rows")
     ap.add_argument(
         "--systems", nargs="*", default=None, choices=list(SYSTEMS), help="default: the regime's, else all"
@@ -696,6 +1161,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.skip < 1:
         ap.error("--skip must be >= 1: steady throughput starts at the end of step --skip")
     regime = REGIMES[args.regime]
+    for key, value in {**DEFAULTS, **regime.get("defaults", {})}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.systems is None:
         args.systems = list(regime.get("systems", SYSTEMS))
     if REFERENCE not in args.systems:
@@ -713,10 +1181,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "skip": args.skip,
         "stage_repeats": args.stage_repeats,
         "cores": args.cores,
+        "rounds": args.rounds,
+        "config": regime.get("config", CONFIG.name),
+        "eval": regime.get("eval", "exact_match"),
     }
-    pair_dirs(settings)  # fail now, with the pretrain command, if the pair is missing
+    pair_dirs(settings)  # fail now, with the pretrain / prepare command, if the pair is missing
+    settings["lr"] = run_config({**settings, "run_dir": "unused"}, [], parse_only=True).train.lr
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="vs_trl-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    settings["teacher_texts"] = str(out_dir.resolve() / "teacher_texts.json")  # agreement regimes
     scratch = Path(tempfile.mkdtemp(prefix="vs_trl-runs-"))
 
     def spec(system: str, tag: str, seed: int = 0) -> dict[str, Any]:
@@ -743,24 +1216,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "breakdown",
                 )
                 fig.update({k: res[k] for k in extra if k in res})
+                extra_real = (
+                    "memory",
+                    "loadavg_1m",
+                    "summary_tokens_per_s",
+                    "summary_first_step_s",
+                    "eval_s",
+                )
+                fig.update({k: res[k] for k in extra_real if k in res})
                 per_round[system].append(fig)
+                quality = (
+                    f"held-out KL(student||teacher) {fig['kl_reverse']:.4f}  "
+                    f"tokens/s {fig.get('steady_tokens_per_s', float('nan')):.1f}  "
+                    f"padding {fig.get('padding_frac', float('nan')):.3f}"
+                    if settings["eval"] == "agreement"
+                    else f"exact match {fig['exact_match']:.3f}"
+                )
                 print(
                     f"[vs_trl] round {r + 1}/{args.rounds} {system:11s} "
                     f"{fig['steady_samples_per_s']:7.1f} samples/s  wall {fig['wall_s']:5.1f} s  "
-                    f"first step {fig['first_step_s']:5.1f} s  exact match {fig['exact_match']:.3f}",
+                    f"first step {fig['first_step_s']:5.1f} s  {quality}",
                     flush=True,
                 )
                 shutil.rmtree(scratch / tag, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    keys = ("steady_samples_per_s", "wall_s", "first_step_s", "process_s", "exact_match")
-    medians = {s: {k: statistics.median(f[k] for f in rows) for k in keys} for s, rows in per_round.items()}
+    medians = {
+        s: {
+            k: statistics.median(f[k] for f in rows)
+            for k, v in rows[0].items()
+            if isinstance(v, (int, float)) and all(isinstance(f.get(k), (int, float)) for f in rows)
+        }
+        for s, rows in per_round.items()
+    }
     report = {
         "settings": settings,
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
+            "cpu": cpu_model(),
         },
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python benchmarks/vs_trl.py " + " ".join(sys.argv[1:] if argv is None else argv),

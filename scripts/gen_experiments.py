@@ -27,6 +27,7 @@ last logged evaluation is kept in the data); only a run that failed (raised) or 
 from __future__ import annotations
 
 import argparse
+import csv
 import filecmp
 import itertools
 import math
@@ -433,15 +434,15 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
             parts[f"{CACHE_FAMILIES[fam]} biased"] = None
             continue
         small, large = rows[(fam, ks[0])], rows[(fam, ks[-1])]
-        parts[f"{CACHE_FAMILIES[fam]}: biased at k={ks[0]}, less at k={ks[-1]}"] = (
-            small["bias_upper"].lo > 0 and large["bias_ci"].hi < small["bias_ci"].lo
+        parts[f"{CACHE_FAMILIES[fam]}: biased at k={ks[0]}, less at k={ks[-1]}"] = biased_and_falls(
+            small["bias_upper"], small["bias_ci"], large["bias_ci"]
         )
     for fam in ("reverse_mc_m", "forward_mc_m"):
         ms = sorted(m for f, m in rows if f == fam)
         if len(ms) < 2:
             parts[f"{CACHE_FAMILIES[fam]} unbiased, variance ~ 1/m"] = None
             continue
-        unbiased = all(rows[(fam, m)]["bias_upper"].hi < BIAS_TOL for m in ms)
+        unbiased = all_of([upper_below(rows[(fam, m)]["bias_upper"], BIAS_TOL) for m in ms])
         slope = float(np.polyfit(np.log(ms), np.log([rows[(fam, m)]["noise"].mean for m in ms]), 1)[0])
         parts[f"{CACHE_FAMILIES[fam]}: unbiased"] = unbiased
         parts[f"{CACHE_FAMILIES[fam]}: noise ~ m^{slope:.2f} (1/m: slope in [-1.25, -0.75])"] = (
@@ -858,6 +859,19 @@ def acting(runs: Sequence[Run]) -> str:
     return ", ".join(parts) or "—"
 
 
+def upper_below(iv: Interval, tol: float) -> bool | None:
+    """The (one-sided) upper bound is below ``tol``; None when there is no bound (fewer than 2 seeds)."""
+    return None if not math.isfinite(iv.hi) else iv.hi < tol
+
+
+def biased_and_falls(small_one_sided: Interval, small: Interval, large: Interval) -> bool | None:
+    """Biased at the smallest size (one-sided lower bound above 0) and less at the largest (its interval
+    below the smallest's); None when an interval is unbounded (fewer than 2 seeds)."""
+    if not all(math.isfinite(x) for iv in (small_one_sided, small, large) for x in (iv.lo, iv.hi)):
+        return None
+    return small_one_sided.lo > 0 and large.hi < small.lo
+
+
 def all_of(values: Sequence[bool | None]) -> bool | None:
     if any(v is False for v in values):
         return False
@@ -1134,6 +1148,130 @@ def accuracy_vs_wall_time(sweep: Sweep | None, plots: Path) -> Section:
     return finish(title, claim, file, sweep, parts, rule, body, [save(fig, plots, "accuracy_vs_wall_time")])
 
 
+# --- 9. cache finiteness at frozen θ ----------------------------------------------------------------------
+FROZEN = "cache_finiteness_frozen"
+FROZEN_FILE = "frozen.csv"  # scripts/frozen_theta.py
+
+
+def load_frozen(data: Path) -> list[dict[str, Any]] | None:
+    """The rows of ``data/cache_finiteness_frozen/frozen.csv`` (None if not measured yet)."""
+    path = data / FROZEN / FROZEN_FILE
+    if not path.exists():
+        return None
+    with path.open(encoding="utf-8", newline="") as fh:
+        return [
+            {k: (v if k == "family" else float(v) if v else math.nan) for k, v in row.items()}
+            for row in csv.DictReader(fh)
+        ]
+
+
+def frozen_ratio(rows: Sequence[dict[str, Any]], key: str, *, one_sided: bool = False) -> Interval:
+    """Σ ``key`` / Σ ``ref_sq`` over every checkpoint of every seed, with a bootstrap over seeds."""
+    seeds = sorted({r["seed"] for r in rows})
+    clusters = [
+        ([r[key] for r in rows if r["seed"] == s], [r["ref_sq"] for r in rows if r["seed"] == s])
+        for s in seeds
+    ]
+    return cluster_bootstrap_ratio(clusters, level=LEVEL, one_sided=one_sided)
+
+
+def cache_frozen(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
+    title = "9. Cache finiteness at frozen θ"
+    claim = (
+        "At equal parameters and states, sparse top-k caches are biased (less as k grows) and Monte Carlo "
+        "caches are unbiased with a variance that falls as 1/m; at equal bytes per token there is a cache "
+        "size where the Monte Carlo cache's error (bias² + variance) falls below the top-k cache's."
+    )
+    file = "examples/sweeps/cache_finiteness_frozen.yaml + scripts/frozen_theta.py"
+    if not rows:
+        return missing(title, file, claim, None)
+    cells = {}
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        for size in sorted({r["size"] for r in rows if r["family"] == fam}):
+            sel = [r for r in rows if r["family"] == fam and r["size"] == size]
+            cells[(fam, int(size))] = {
+                "bias": frozen_ratio(sel, "bias_sq"),
+                "bias_upper": frozen_ratio(sel, "bias_sq", one_sided=True),
+                "var": frozen_ratio(sel, "var"),
+                "bytes": float(np.median([r["bytes_per_token"] for r in sel])),
+            }
+    parts: dict[str, bool | None] = {}
+    for fam in ("forward_topk_k", "reverse_topk_k"):
+        ks = sorted(k for f, k in cells if f == fam)
+        if len(ks) < 2:
+            parts[f"{CACHE_FAMILIES[fam]} biased"] = None
+            continue
+        small, large = cells[(fam, ks[0])], cells[(fam, ks[-1])]
+        parts[f"{CACHE_FAMILIES[fam]}: biased at k={ks[0]}, less at k={ks[-1]}"] = biased_and_falls(
+            small["bias_upper"], small["bias"], large["bias"]
+        )
+    for fam in ("reverse_mc_m", "forward_mc_m"):
+        ms = sorted(m for f, m in cells if f == fam)
+        if len(ms) < 2:
+            parts[f"{CACHE_FAMILIES[fam]} unbiased, variance ~ 1/m"] = None
+            continue
+        parts[f"{CACHE_FAMILIES[fam]}: unbiased at every m (upper bound < {BIAS_TOL})"] = all_of(
+            [upper_below(cells[(fam, m)]["bias_upper"], BIAS_TOL) for m in ms]
+        )
+        var = [cells[(fam, m)]["var"].estimate for m in ms]
+        if all(v > 0 for v in var):
+            slope = float(np.polyfit(np.log(ms), np.log(var), 1)[0])
+            parts[f"{CACHE_FAMILIES[fam]}: variance ~ m^{slope:.2f} (slope in [-1.25, -0.75])"] = (
+                -1.25 <= slope <= -0.75
+            )
+        else:
+            parts[f"{CACHE_FAMILIES[fam]}: variance ~ 1/m"] = None
+    crossover = []
+    for topk, mc in (("reverse_topk_k", "reverse_mc_m"), ("forward_topk_k", "forward_mc_m")):
+        err = {
+            f: {c["bytes"]: c["bias"].estimate + c["var"].estimate for (ff, _), c in cells.items() if ff == f}
+            for f in (topk, mc)
+        }
+        cheaper = [
+            b for b in sorted(err[mc]) if any(bt <= b and err[mc][b] <= e for bt, e in err[topk].items())
+        ]
+        crossover.append(f"{CACHE_FAMILIES[mc]} vs {CACHE_FAMILIES[topk]}: " + (
+            f"{cheaper[0]:g} bytes/token" if cheaper else "none in the grid"))  # fmt: skip
+    body = ["Squared bias and variance over |g|² at frozen θ (ratios of sums over checkpoints and seeds, "
+            f"{LEVEL:.0%} seed-bootstrap intervals), and bytes per token:", ""]  # fmt: skip
+    body += md_table(
+        ["cache", "k or m", "bytes/token", "bias² / |g|²", "variance / |g|²"],
+        [[CACHE_FAMILIES.get(f, f), n, f"{c['bytes']:g}", str(c["bias"]), str(c["var"])]
+         for (f, n), c in sorted(cells.items())],
+    )  # fmt: skip
+    body += ["", "Byte-matched crossover (smallest MC size whose bias² + variance is at most a top-k cache's "
+             "of no more bytes): " + "; ".join(crossover) + "."]  # fmt: skip
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    a1, a2 = fig.subplots(1, 2)
+    for fam in dict.fromkeys(f for f, _ in cells):
+        sizes = sorted(n for f, n in cells if f == fam)
+        bytes_ = [cells[(fam, n)]["bytes"] for n in sizes]
+        errorbar_panel(
+            a1, bytes_, [as_stat(cells[(fam, n)]["bias"]) for n in sizes], CACHE_FAMILIES.get(fam, fam)
+        )
+        a2.plot(bytes_, [cells[(fam, n)]["bias"].estimate + cells[(fam, n)]["var"].estimate for n in sizes],
+                "o-", label=CACHE_FAMILIES.get(fam, fam))  # fmt: skip
+    for ax, y in ((a1, "bias² / |g|²"), (a2, "(bias² + variance) / |g|²")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per token")
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    rule = (
+        "at every checkpoint (and the starting student) of every seed, fixed states; top-k once, MC over "
+        "redraws of its columns (asyncrl.telemetry.gradients.frozen_theta); ratios of sums with a bootstrap "
+        f"over seeds; a top-k family is biased if its one-sided {LEVEL:.0%} lower bound at the smallest k is "
+        "above 0 and its interval at the largest k lies below the smallest k's; an MC family is unbiased "
+        f"if its one-sided upper bound is below {BIAS_TOL} at every m, and its variance falls as 1/m if the "
+        "slope of log variance on log m lies in [−1.25, −0.75]. The crossover is reported, not tested."
+    )
+    n = len({r["seed"] for r in rows})
+    return Section(
+        title, claim, file, _verdict(parts), _says(parts), rule, body, [save(fig, plots, FROZEN)],
+        0.0, f"{n} seed(s), {len(rows)} measurements", tally=_tally(parts),
+    )  # fmt: skip
+
+
 def models_line(sweeps: Sequence[Sweep | None]) -> str:
     """The student's and teacher's exact match as the runs measured them (``summary.json``), not typed."""
     runs = [r for sw in sweeps if sw is not None for r in sw.runs if r.summary.get("algo") == "opd"]
@@ -1148,8 +1286,8 @@ def render(sections: Sequence[Section], root: Path, models: str = "") -> str:
     lines = [
         "# Experiments: does asyncrl reproduce the published staleness findings?",
         "",
-        "<!-- Generated by `python scripts/gen_experiments.py` from the example sweeps' outputs: do not "
-        "edit. -->",
+        "<!-- Generated by `python scripts/gen_experiments.py` from the committed evidence in "
+        "experiments/data: do not edit. -->",
         "",
         "Each experiment is one example sweep (`examples/sweeps/`), run with `asyncrl sweep` on the built-in",
         "addition task at the `small` preset with `pipeline.lag_mode: fixed` (every batch after the first S",
@@ -1203,6 +1341,7 @@ def generate(data: Path, out: Path, plots: Path) -> list[Section]:
     """EXPERIMENTS.md at ``out`` and its plots in ``plots`` from the evidence under ``data`` alone."""
     sweeps = {name: load_data(data, name) for name, _ in EXPERIMENTS}
     sections = [fn(sweeps[name], plots) for name, fn in EXPERIMENTS]
+    sections.append(cache_frozen(load_frozen(data), plots))
     out.write_text(render(sections, data, models_line(list(sweeps.values()))), encoding="utf-8")
     return sections
 

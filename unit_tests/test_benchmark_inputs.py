@@ -123,3 +123,93 @@ def test_an_interrupted_benchmarks_md_regeneration_keeps_every_section(tmp_path,
     kept = md.kept_sections(out, set())
     assert list(kept) == [a.title, b.title, c.title]
     assert "new b" in kept[b.title] and "old a" in kept[a.title] and "old c" in kept[c.title]
+
+
+@pytest.mark.parametrize("system", __import__("vs_trl").REGIMES["smollm2"]["systems"])
+def test_vs_trl_smollm2_systems_parse_and_build_their_configs(system: str, tmp_path) -> None:
+    """Every system of the real regime (``--regime smollm2``) builds its run config from
+    ``opd_smollm2.yaml``: the real preset, 128 new tokens, lr 1e-4, B samples per optimizer step,
+    and the precision, layout and loss its name says."""
+    import vs_trl
+
+    from asyncrl.plan import absolute_paths
+
+    regime = vs_trl.REGIMES["smollm2"]
+    assert system in vs_trl.SYSTEMS and vs_trl.REFERENCE in regime["systems"]
+    spec = dict(
+        task=regime["task"], preset=regime["preset"], config=regime["config"], cache_dir=str(tmp_path),
+        seed=0, steps=6, batch=8, max_new_tokens=regime["max_new_tokens"], run_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    label, kind, overrides, _ = vs_trl.SYSTEMS[system]
+    cfg = vs_trl.run_config(spec, overrides)
+    assert vs_trl.run_config(spec, overrides, parse_only=True).train.lr == cfg.train.lr == 1.0e-4
+    assert cfg.workload.preset == "smollm2" and cfg.sampling.max_new_tokens == 128
+    assert cfg.train.batch_size // cfg.train.minibatches == 8 and cfg.train.eval_every == 0
+    assert cfg.estimator.name == "forward_kl"
+    bf16 = system.endswith("_bf16")
+    assert (cfg.train.precision == "bf16") == bf16 == vs_trl.is_bf16(system), label
+    assert (cfg.pipeline.teacher_dtype == "bfloat16") == bf16
+    if kind == "pipeline":
+        assert cfg.pipeline.colocate == ("colocated" in system)
+        assert cfg.pipeline.max_lag == int(system[3])
+        assert bool(cfg.estimator.options.get("dense")) == ("top16" not in system)
+        if not cfg.pipeline.colocate:  # stage actors ship the teacher cache: top-k at this vocabulary
+            assert not cfg.estimator.options.get("dense")
+    else:
+        assert cfg.estimator.options.get("dense") is True  # TRL and the plain loop: dense forward KL
+    (tmp_path / "smollm2").mkdir()
+    (tmp_path / "smollm2" / "prepared.json").write_text("{}")  # what `asyncrl prepare` leaves
+    made = absolute_paths(cfg).workload  # the prepared splits: train.jsonl to train, eval.jsonl held out
+    assert made.prompts_path.endswith("smollm2/prompts/train.jsonl")
+    assert made.eval_prompts_path.endswith("smollm2/prompts/eval.jsonl")
+
+
+def test_vs_trl_smollm2_figures_and_markdown_from_fake_results() -> None:
+    """The real regime's figures (tokens/s over the steady steps, padding, peak memory, agreement)
+    and its table, goals and notes render from children's results of the documented shape."""
+    import vs_trl
+
+    def child(tokens_per_step: int, first: float, dt: float, kl: float, pad: float = 0.25) -> dict:
+        ends = [100.0 + first + dt * k for k in range(6)]
+        return {
+            "step_ends": ends, "kept": [8] * 6, "tokens": [tokens_per_step] * 6,
+            "padding": [pad - 0.05, pad + 0.05] * 3,
+            "memory": {"main": 900.0, "processes": [["ray::RayTrainWorker", 2100.0], ["raylet", 60.0]]},
+            "kl_forward": kl, "kl_reverse": kl, "top1_agree": 0.5, "teacher_nll": 2.0, "rouge_l": 0.2,
+            "launch": 100.0, "process_s": first + 6 * dt + 5, "loadavg_1m": [3.0, 4.0],
+        }  # fmt: skip
+
+    fig = vs_trl.figures(child(500, 10.0, 2.0, 0.5), skip=2)
+    assert fig["steady_tokens_per_s"] == pytest.approx(4 * 500 / 8.0)
+    assert fig["steady_samples_per_s"] == pytest.approx(4 * 8 / 8.0)
+    assert fig["first_step_s"] == pytest.approx(10.0) and fig["padding_frac"] == pytest.approx(0.25)
+    assert fig["peak_rss_main_mb"] == 900.0 and fig["peak_rss_other_max_mb"] == 2100.0
+    with pytest.raises(SystemExit, match="token counts"):
+        vs_trl.figures({**child(500, 10.0, 2.0, 0.5), "tokens": [1, 2]}, skip=2)
+    results = {
+        "trl": child(500, 30.0, 4.0, 0.6),
+        "trl_bf16": child(500, 30.0, 3.0, 0.6),
+        "lag1_colocated": child(500, 15.0, 2.0, 0.55, pad=0.3),
+        "lag1_colocated_top16_bf16": child(500, 25.0, 1.0, 0.58),
+    }
+    rounds = {
+        n: [{**vs_trl.figures(r, 2), "memory": r["memory"], "loadavg_1m": r["loadavg_1m"]}]
+        for n, r in results.items()
+    }
+    medians = {n: {k: v for k, v in rows[0].items() if isinstance(v, float)} for n, rows in rounds.items()}
+    q = {"kl_forward": 1.0, "kl_reverse": 0.9, "top1_agree": 0.4, "teacher_nll": 3.0, "rouge_l": 0.1}
+    parity = {"loss_asyncrl": 1.0, "loss_trl": 1.0, "loss_rel_diff": 0.0, "grad_rel_diff": 0.0}
+    report = {
+        "settings": {"eval": "agreement", "steps": 6, "skip": 2, "batch": 8, "max_new_tokens": 128,
+                     "rounds": 1, "lr": 1e-4, "eval_size": 16},
+        "rounds": rounds, "medians": medians,
+        "stages": {"limits": {}, "initial": q, "initial_seed1": {**q, "kl_reverse": 0.95}, "parity": parity},
+    }  # fmt: skip
+    md = vs_trl.markdown(report)
+    assert "| system | tokens/s |" in md and "untrained student (eval seed 1)" in md
+    # fp32: 250 / 125 tokens/s = 2.00x (met); bf16: 500 / 166.7 = 3.00x against TRL bf16
+    assert "best asyncrl layout `lag1_colocated` 250.0 vs `trl` 125.0 = 2.00x" in md
+    assert "`lag1_colocated_top16_bf16` 500.0 vs `trl_bf16` 166.7 = 3.00x" in md
+    assert "**missed** by 1 of 2" in md  # first step 25 s > 20 s
+    assert "**missed**: `lag1_colocated` 30.0 %" in md  # the others' 25.0 % is within the floor
+    assert "- `lag1_colocated`: main 900; ray::RayTrainWorker 2100" in md  # raylet's 60 MiB left out

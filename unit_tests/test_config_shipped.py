@@ -17,6 +17,7 @@ SHIPPED = (
     "opd_lora.yaml",
     "opd_one_machine.yaml",
     "opd_reverse_kl_mc.yaml",
+    "opd_smollm2.yaml",
     "opd_sync.yaml",
     "opd_tiny.yaml",
     "soak.yaml",
@@ -61,3 +62,25 @@ def test_each_config_is_what_its_name_says() -> None:
     for c in cfg.values():
         if c.algo == "opd":
             assert c.estimator.name != "grpo"
+
+
+def test_real_config_is_the_real_demo() -> None:
+    """examples/configs/opd_smollm2.yaml is what `asyncrl demo --preset smollm2` runs (its async run)."""
+    from asyncrl.cli import REAL_DEMO_OVERRIDES, REAL_DEMO_STEPS
+
+    shipped = load_config(CONFIGS / "opd_smollm2.yaml")
+    demo = load_config(
+        None,
+        [
+            "workload.preset=smollm2",
+            f"train.steps={REAL_DEMO_STEPS}",
+            *REAL_DEMO_OVERRIDES,
+            f"run_dir={shipped.run_dir}",
+            f"pipeline.max_lag={shipped.pipeline.max_lag}",
+        ],
+    )
+    for part in ("workload", "sampling", "cache", "train", "seed"):
+        assert getattr(demo, part) == getattr(shipped, part), part
+    assert demo.estimator.name == shipped.estimator.name and shipped.estimator.options == {"tail": "bucket"}
+    assert demo.pipeline == shipped.pipeline
+    assert shipped.workload.preset == "smollm2" and shipped.workload.prompts_path is None

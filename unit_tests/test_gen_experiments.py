@@ -427,3 +427,31 @@ def test_regeneration_from_committed_data_is_byte_identical(gen: Any, tmp_path: 
     runs = data / "recompute_vs_stabilisers" / "runs.csv"
     runs.write_text(runs.read_text().replace("0.28", "0.29", 1))  # one committed number changes
     assert gen.main(["--check", *args]) == 1
+
+
+def write_frozen(data: Path, mc_bias: float) -> None:
+    """frozen.csv as scripts/frozen_theta.py writes it: 5 seeds x 2 checkpoints."""
+    rows = ["seed,step,family,size,bytes_per_token,bias_sq,var,ref_sq,redraws,cos"]
+    for seed in FIVE:
+        for step in (0, 50):
+            jit = 0.002 * math.sin(seed * 3.0 + step)
+            for k in (1, 4, 16):
+                rows.append(f"{seed},{step},reverse_topk_k,{k},{12 * k},{0.4 / k + jit},0,1,1,0.9")
+            for m in (1, 4, 16):
+                rows.append(f"{seed},{step},reverse_mc_m,{m},{12 * m},{mc_bias + jit},{2.0 / m},1,8,0.8")
+    (data / "cache_finiteness_frozen").mkdir(parents=True)
+    (data / "cache_finiteness_frozen" / "frozen.csv").write_text("\n".join(rows) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("mc_bias", "verdict"), [(0.0, "inconclusive at this scale"), (0.05, "not reproduced")]
+)
+def test_cache_frozen_rules(gen: Any, tmp_path: Path, mc_bias: float, verdict: str) -> None:
+    write_frozen(tmp_path, mc_bias)
+    section = gen.cache_frozen(gen.load_frozen(tmp_path), tmp_path / "p")
+    assert "reverse KL, top-k: biased at k=1, less at k=16: holds" in section.why
+    assert "variance ~ m^-1.00" in section.why and "m teacher draws" in section.why  # forward MC not measured
+    unbiased = "reverse KL, m behavior draws: unbiased at every m (upper bound < 0.01): "
+    assert unbiased + ("holds" if mc_bias == 0 else "fails") in section.why
+    assert section.verdict == verdict
+    assert "crossover" in "\n".join(section.body)

@@ -68,6 +68,16 @@ def test_publication_is_the_adapters_only_and_round_trips_bit_exactly():
         engine.load_weights(full, 5)  # full weights to a LoRA engine
 
 
+def test_adapter_state_is_peft_s_adapter_state_dict():
+    from peft import get_peft_model_state_dict
+
+    model = apply_lora(_base(), LoRAConfig(r=2, target_modules=("q_proj", "down_proj")), seed=0)
+    _trained_adapters(model)
+    ours, peft_s = adapter_state(model), get_peft_model_state_dict(model)
+    assert list(ours) == list(peft_s) and all(torch.equal(ours[k], peft_s[k]) for k in ours)
+    assert len(ours) == 2 * 2 * 2  # 2 layers x 2 modules x (A, B)
+
+
 def test_merged_and_unmerged_engines_agree_to_float_error():
     learner = apply_lora(_base(), LORA, seed=3)
     _trained_adapters(learner)

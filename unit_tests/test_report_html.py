@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import base64
 import os
 import re
@@ -97,6 +99,12 @@ def write_fake_run(
                 "step": np.full(batch, step),
             }
         )
+    if optional:  # the agreement eval (prompts without answers): RUN/evals.jsonl, by version
+        with open(path / names.EVAL_FILE, "w") as f:
+            for step in range(0, steps + 1, 4):
+                agreement = {"kl_reverse": 8.0 / (1 + step), "kl_forward": 9.0 / (1 + step),
+                             "top1_agree": 0.1 + 0.02 * step, "teacher_nll": 5.0, "rouge_l": 0.01 * step}
+                f.write(json.dumps({"step": step, "metrics": agreement, "seconds": 1.0, "samples": []}) + "\n")
     if summary:
         writer.write_summary(
             {
@@ -136,7 +144,7 @@ def _images(page: str) -> list[bytes]:
 def test_two_runs_render_every_panel_with_both_names(two_runs: list[Path]) -> None:
     page = render_report(two_runs)
     images = _images(page)
-    assert len(images) == 10  # every panel recorded
+    assert len(images) == 11  # every panel recorded
     assert all(img.startswith(b"\x89PNG\r\n\x1a\n") and len(img) > 2000 for img in images)
     assert "not recorded" not in page
     assert page.count("<img") == len(images)  # self-contained: every image is a data URI
@@ -145,6 +153,7 @@ def test_two_runs_render_every_panel_with_both_names(two_runs: list[Path]) -> No
         assert f"<th>{name}</th>" in page  # summary and settings tables have one column per run
     assert "<td>pipeline.max_lag</td><td>0</td><td>2</td>" in page
     assert "<td>samples_dropped</td><td>0</td><td>3</td>" in page
+    assert "Agreement with the teacher (held-out prompts)" in page
 
 
 def test_missing_optional_metrics_say_not_recorded(tmp_path: Path) -> None:
@@ -153,7 +162,7 @@ def test_missing_optional_metrics_say_not_recorded(tmp_path: Path) -> None:
     for missing in (names.ESS_RHO, names.TEACHER_MASS, names.LR_APPLIED, names.GRADREF_COS):
         assert re.search(rf"class='missing'>not recorded: [^<]*{re.escape(missing)}", page), missing
     # grad norm is recorded, GAC cosine is not: that panel still renders, with a note inside the plot
-    assert len(_images(page)) == 10 - 4
+    assert len(_images(page)) == 11 - 5
 
 
 def test_unfinished_run_with_live_parts_and_no_summary(tmp_path: Path) -> None:
@@ -163,7 +172,7 @@ def test_unfinished_run_with_live_parts_and_no_summary(tmp_path: Path) -> None:
     assert records.samples is not None and len(records.samples) == 12 * 8
     page = render_report([records])
     assert "unfinished (no summary.json)" in page
-    assert "Lag histogram" in page and len(_images(page)) == 10
+    assert "Lag histogram" in page and len(_images(page)) == 11
 
 
 @pytest.mark.parametrize("missing", [names.METRICS_FILE, names.CONFIG_FILE])

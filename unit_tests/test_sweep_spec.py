@@ -151,10 +151,15 @@ def test_examples_are_valid_sweeps() -> None:
     assert set(SWEEPS.glob("*.yaml")) == {
         SWEEPS / f
         for f in (
+            "accuracy_vs_wall_time.yaml",
             "async_grpo.yaml",
             "cache_finiteness.yaml",
+            "cache_finiteness_frozen.yaml",
             "kl_direction_x_lag.yaml",
             "lr_x_lag.yaml",
+            "recompute_vs_stabilisers.yaml",
+            "s_eta_grpo.yaml",
+            "s_eta_opd.yaml",
             "tiny.yaml",
         )
     }

@@ -171,8 +171,14 @@ def _summary_lines(summary: Mapping[str, Any]) -> list[str]:
         f"steps {f('steps', 'd')}  samples trained {f('samples_trained', 'd')}  "
         f"dropped {f('samples_dropped', 'd')}  wall {f('wall_time_s', '.1f')} s  "
         f"samples/s {f('samples_per_s', '.1f')}",
-        f"lag p50 {f('lag_p50', 'g')}  max {f('lag_max', 'd')}  "
-        f"eval accuracy {f('eval_accuracy_initial')} -> {f('eval_accuracy_final')}",
+        f"lag p50 {f('lag_p50', 'g')}  max {f('lag_max', 'd')}"
+        + (
+            f"  eval accuracy {f('eval_accuracy_initial')} -> {f('eval_accuracy_final')}"
+            if summary.get("eval_accuracy_final") is not None
+            else ""
+        )
+        + (f"  tokens/s {f('tokens_per_s', '.1f')}" if summary.get("tokens_per_s") is not None else "")
+        + (f"  padding {f('padding_frac', '.0%')}" if summary.get("padding_frac") is not None else ""),
         f"start-up: first optimizer step {f('first_step_s', '.1f')} s after the command started "
         f"({f('startup_s', '.1f')} s after this run started)",
     ] + ([agreement_line(summary)] if summary.get("eval_kl_reverse_initial") is not None else [])
@@ -304,6 +310,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise CLIError(f"--n must be >= 1; got {args.n}", EXIT_USAGE)
     torch.set_num_threads(args.threads)
+    from asyncrl.workloads.gguf import materialize
+
+    # a .gguf file is converted once to a cached checkpoint directory, as a run's model paths are
+    args.model = materialize(args.model, args.cache_dir, field="--model")
+    if args.teacher:
+        args.teacher = materialize(args.teacher, args.cache_dir, field="--teacher")
+    if args.teacher or args.prompts:
+        return _eval_agreement(args)
     task = get_task(args.task)
     hint = f"run `asyncrl pretrain --task {args.task} --preset small` and pass a directory it prints"
     model, tokenizer = load_model(args.model, hint=hint)
@@ -330,6 +344,38 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(
         ("reused from the cache" if made.reused else f"prepared in {made.wall_time_s:.1f} s")
         + f": {made.root}"
+    )
+    return 0
+
+
+def _eval_agreement(args: argparse.Namespace) -> int:
+    """``asyncrl eval --model S --teacher T --prompts FILE``: the agreement metrics of S against T."""
+    from asyncrl.workloads import prompts as P
+    from asyncrl.workloads.agreement import AgreementEvaluator
+    from asyncrl.workloads.checkpoints import check_pair, load_model
+
+    if not (args.teacher and args.prompts):
+        raise CLIError("agreement eval needs both --teacher DIR and --prompts FILE", EXIT_USAGE)
+    check_pair(args.teacher, args.model)  # one vocabulary, before any weights load
+    source = P.PromptSource.open(args.prompts)
+    student, tokenizer = load_model(args.model, role="student")
+    teacher, _ = load_model(args.teacher, role="teacher")
+    ids = [
+        list(map(int, i))
+        for f, t, _ in source.head(args.n)
+        for i in P.prompt_token_ids(t, source.prompt_column, tokenizer, f)
+    ]
+    ev = AgreementEvaluator(
+        teacher, tokenizer, ids, max_new_tokens=args.max_new_tokens or 64, batch_size=args.batch_size,
+        seed=args.seed,
+    )  # fmt: skip
+    res = ev(student)
+    m = res.metrics
+    print(
+        f"{args.model} vs teacher {args.teacher} on {len(ids)} prompts of {args.prompts}: "
+        f"KL(student||teacher) {m['kl_reverse']:.4f}  KL(teacher||student) {m['kl_forward']:.4f} "
+        f"nats/token  top-1 {m['top1_agree']:.4f}  teacher NLL {m['teacher_nll']:.4f}  "
+        f"ROUGE-L {m['rouge_l']:.4f}  ({res.seconds:.1f} s)"
     )
     return 0
 
@@ -754,10 +800,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "eval",
         cmd_eval,
-        "greedy exact match of a checkpoint directory on a task",
-        "Greedy exact-match accuracy of an HF checkpoint directory (model + tokenizer) on a task eval split.",
+        "greedy exact match on a task, or agreement with a teacher on prompts",
+        "Greedy exact-match accuracy of an HF checkpoint directory (model + tokenizer) on a task eval split; "
+        "with --teacher and --prompts, its agreement with the teacher on those prompts instead (per-token "
+        "KL both ways on the student's samples, top-1 agreement, the teacher's NLL of the student's greedy "
+        "response, ROUGE-L against the teacher's).",
     )
-    p.add_argument("--model", required=True, help="checkpoint directory (save_pretrained layout)")
+    p.add_argument(
+        "--model", required=True, help="checkpoint directory (save_pretrained layout) or a .gguf file"
+    )
+    p.add_argument("--cache-dir", default=".asyncrl_cache", help="where .gguf files are converted to")
+    p.add_argument(
+        "--teacher",
+        default=None,
+        help="teacher checkpoint: evaluate --model by agreement with it on --prompts (no verifier needed)",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="prompt file (Parquet/JSONL, 'prompt' or chat 'messages' rows) for the agreement eval",
+    )
     p.add_argument("--task", default="addition", help="task (asyncrl ls tasks)")
     p.add_argument("--n", type=int, default=256, help="number of eval examples")
     p.add_argument("--seed", type=int, default=0, help="seed of the eval examples")

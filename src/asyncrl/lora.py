@@ -112,9 +112,23 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig | Mapping[str, Any], *, 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter tensors of a peft ``model`` (no copy): what a LoRA run publishes and fingerprints."""
-    from peft import get_peft_model_state_dict
+    return {key: p for key, p in _adapter_params(model)}
 
-    return dict(get_peft_model_state_dict(model, adapter_name=ADAPTER))
+
+def _adapter_params(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(key, parameter)`` of every adapter tensor, keyed as peft's ``get_peft_model_state_dict``
+    keys them (the parameter name without the adapter name; checked equal by a unit test). Found
+    once per model: peft's function walks the whole state dict (base weights too) on every call,
+    which made a publication of the ``small`` student's adapters cost 3x the full weights' copy."""
+    cached = getattr(model, "_asyncrl_adapter_params", None)
+    if cached is None:
+        cached = [
+            (name.replace(f".{ADAPTER}.", "."), p)
+            for name, p in model.named_parameters()
+            if ".lora_A." in name or ".lora_B." in name
+        ]
+        model._asyncrl_adapter_params = cached  # type: ignore[assignment]
+    return cached
 
 
 def policy_state(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
@@ -127,20 +141,24 @@ def policy_state(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
 def load_adapter_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy adapter tensors (``adapter_state`` of a model with the same LoRA config) into ``model``;
     every adapter tensor of ``model`` must be given, and nothing else."""
-    from peft import set_peft_model_state_dict
+    import torch
 
     state = {(k[7:] if k.startswith("module.") else k): v for k, v in state.items()}
-    have = set(adapter_state(model))
+    params = _adapter_params(model)
+    have = {key for key, _ in params}
     missing, unexpected = sorted(have - set(state)), sorted(set(state) - have)
     if missing or unexpected:
         raise ValueError(
             f"adapter state does not match the engine's LoRA adapters: missing {missing[:4]}, unexpected "
             f"{unexpected[:4]}; the learner and the engines must use the same train.lora and student"
         )
-    result = set_peft_model_state_dict(model, dict(state), adapter_name=ADAPTER)
-    unexpected = list(getattr(result, "unexpected_keys", []) or [])
-    if unexpected:
-        raise ValueError(f"peft did not load adapter keys {unexpected[:4]}")
+    with torch.no_grad():  # what peft's set_peft_model_state_dict does for LoRA, without its state-dict walk
+        for key, p in params:
+            if state[key].shape != p.shape:
+                raise ValueError(
+                    f"adapter {key!r} has shape {tuple(state[key].shape)}, expected {tuple(p.shape)}"
+                )
+            p.copy_(state[key])
 
 
 def read_adapter(directory: str | Path) -> dict[str, torch.Tensor]:

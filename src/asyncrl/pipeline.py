@@ -258,6 +258,28 @@ def stage_specs(plan: RunPlan, namespace: str, store_name: str, *, stream: int |
     return StageSpecs(generate, ScoreTeacher, score)
 
 
+#: a stage actor's memory besides its models: Python, torch, Ray's worker and Ray Data's buffers
+#: (the resident set of a stage actor holding a 1M-parameter model); see ``actor_memory``
+ACTOR_BASE_MEMORY = 640 << 20
+
+
+def actor_memory(*model_dirs: str | None, dtype_bytes: int = 4) -> int:
+    """Bytes of memory a stage actor asks Ray for (``memory=``): its models' weights, twice (the
+    weights, and the activations, KV cache and logits of a batch at worst as large), plus
+    ``ACTOR_BASE_MEMORY``. Why: an operator that asks for no memory but uses more than Ray's
+    per-CPU default gets Ray Data's "consider setting memory=..." warning on every run at a real
+    model size, and Ray cannot keep actors that do not fit off one node; a request sized from the
+    checkpoint lets the scheduler know and gives the warning no cause. Weight files are read as
+    float32 (``dtype_bytes`` scales them for another dtype)."""
+    total = ACTOR_BASE_MEMORY
+    for d in model_dirs:
+        if d:
+            stored = sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+            stored += sum(f.stat().st_size for f in Path(d).glob("pytorch_model*.bin"))
+            total += 2 * stored * dtype_bytes // 4
+    return int(total)
+
+
 def build_dataset(
     plan: RunPlan,
     blocks: list[dict[str, np.ndarray]] | None,
@@ -290,6 +312,9 @@ def build_dataset(
     if pc.colocate:
         return ds
     stages = stage_specs(plan, namespace, store_name, stream=stream)
+    gen_memory = actor_memory(plan.models.student_dir)
+    teacher_bytes = 2 if pc.teacher_dtype == "bfloat16" else 4
+    score_memory = actor_memory(None if plan.rl else plan.models.teacher_dir, dtype_bytes=teacher_bytes)
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     if pc.fuse_scoring:  # one actor pool generates and scores each block
@@ -300,6 +325,7 @@ def build_dataset(
             num_cpus=pc.cpus_per_actor,
             num_gpus=actor_gpus,
             resources=dict(pc.generator_resources) or None,
+            memory=gen_memory + score_memory - ACTOR_BASE_MEMORY,
             fn_constructor_kwargs=dict(generate=stages.generate, scorer=stages.scorer, score=stages.score),
         )
     ds = ds.map_batches(
@@ -309,6 +335,7 @@ def build_dataset(
         num_cpus=pc.cpus_per_actor,
         num_gpus=actor_gpus,
         resources=dict(pc.generator_resources) or None,
+        memory=gen_memory,
         fn_constructor_kwargs=stages.generate,
     )
     return ds.map_batches(
@@ -318,6 +345,7 @@ def build_dataset(
         num_cpus=pc.cpus_per_actor,
         num_gpus=None if plan.rl else actor_gpus,  # the reward stage needs no GPU
         resources=dict(pc.scorer_resources) or None,
+        memory=score_memory,
         fn_constructor_kwargs=stages.score,
     )
 
@@ -339,6 +367,7 @@ def streamed(plan: RunPlan, skip_ids: np.ndarray | None) -> Any:
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
         num_cpus=0.1,
+        memory=ACTOR_BASE_MEMORY,  # a tokenizer and a window of prompt rows (see actor_memory)
         fn_constructor_kwargs=dict(
             source=plan.prompts,
             tokenizer_dir=plan.models.student_dir,

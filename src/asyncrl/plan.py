@@ -342,8 +342,9 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
 
     w = cfg.workload
     prompts, evals = w.prompts_path, w.eval_prompts_path
-    if real.is_real(w.preset) and not (w.teacher_path or w.student_path):  # its prepared prompt splits
-        made = real.paths(w.preset, w.cache_dir)
+    made = real.paths(w.preset, w.cache_dir) if real.is_real(w.preset) else None
+    prepared = made is not None and Path(made["root"], real.PREPARED_FILE).is_file()
+    if prepared and not (w.teacher_path or w.student_path):  # its prepared prompt splits
         prompts, evals = prompts or made["train_prompts"], evals or made["eval_prompts"]
     return replace(
         cfg,

@@ -316,17 +316,35 @@ def to_torch(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def trim_to_longest(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Cut per-token columns ([B, T, ...]) to the batch's longest completion (at least 1).
+    """Cut per-token columns ([B, T, ...]) to the batch's longest completion (at least 1), and the
+    prompt columns ([B, P]) to its longest prompt (their left padding that no row uses).
 
-    Rollouts are padded to ``max_new_tokens`` so Ray Data blocks have fixed shapes; the learner
-    computes only over positions some sample uses. Masks are unchanged, so losses are too.
+    Rollouts are padded to ``max_new_tokens`` and prompts to the stream's prompt width P so Ray
+    Data blocks have fixed shapes; the learner computes only over positions some sample uses.
+    Masks are unchanged, and positions come from the attention mask (``position_ids``), so losses
+    are too. With chat prompts of heavy-tailed length the stream's P is the longest of thousands
+    of prompts, so a batch's longest prompt is often much shorter.
     """
     t_eff = max(int(batch[COMPLETION_MASK].sum(1).max()), 1)
     out = dict(batch)
     for k, col in COLUMNS.items():
         if k in out and len(col.dims) >= 2 and col.dims[1] == "T":
             out[k] = out[k][:, :t_eff]
+    if PROMPT_MASK in out and PROMPT_IDS in out:
+        p_eff = max(int(out[PROMPT_MASK].sum(1).max()), 1)
+        out[PROMPT_IDS], out[PROMPT_MASK] = out[PROMPT_IDS][:, -p_eff:], out[PROMPT_MASK][:, -p_eff:]
     return out
+
+
+def padding_fraction(batch: Mapping[str, Any]) -> float:
+    """Fraction of the [B, P + T] positions the learner computes over (after ``trim_to_longest``)
+    that are padding: 1 − (valid prompt + completion tokens) / (B · (P_eff + T_eff))."""
+    pm = np.asarray(batch[PROMPT_MASK]).astype(bool)
+    cm = np.asarray(batch[COMPLETION_MASK]).astype(bool)
+    p_eff = max(int(pm.sum(1).max()), 1) if pm.size else 1
+    t_eff = max(int(cm.sum(1).max()), 1) if cm.size else 1
+    total = pm.shape[0] * (p_eff + t_eff)
+    return 1.0 - float(pm.sum() + cm.sum()) / total if total else 0.0
 
 
 def pad_to(x: torch.Tensor, length: int, value: float | int | bool) -> torch.Tensor:

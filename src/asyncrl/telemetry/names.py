@@ -75,6 +75,9 @@ TOKENS = "tokens/trained"
 NUMERICS_SKIPPED = "numerics/skipped"
 #: learner version (optimizer steps applied) after this step
 VERSION = "version"
+#: fraction of the [B, P + T] positions of this step's batch (rank 0's) that are padding, after
+#: trimming to its longest prompt and completion (``records.padding_fraction``): compute paid for nothing
+PADDING_FRAC = "tokens/padding_frac"
 LEARNER_IDLE_FRAC = "throughput/learner_idle_frac"
 #: teacher probability mass the cache keeps per position (e.g. top-k mass), batch mean
 TEACHER_MASS = "est/teacher_mass"
@@ -171,6 +174,8 @@ SUMMARY_KEYS = (
     "samples_dropped",
     "wall_time_s",
     "samples_per_s",
+    "tokens_per_s",
+    "padding_frac",
     "lag_p50",
     "lag_max",
     "eval_accuracy_initial",
@@ -251,6 +256,7 @@ __all__ = [
     "LR_SCHEDULED",
     "METRICS_FILE",
     "NUMERICS_SKIPPED",
+    "PADDING_FRAC",
     "REPORT_FILE",
     "SAMPLES_FILE",
     "SAMPLES_KEPT",

@@ -107,6 +107,19 @@ def load_run(path: str | Path, name: str | None = None) -> RunRecords:
     if not rows:
         raise ReportError(f"{path / names.METRICS_FILE} has no steps yet; report once the run has trained")
     table = read_samples(path)
+    # the agreement evals (RUN/evals.jsonl) as rows of their own, by the version they measured: a
+    # step record carries only the newest one that had finished by then
+    from asyncrl.telemetry.summary import read_evals
+
+    evals = read_evals(path)
+    if evals:
+        agreement = {*names.EVAL_AGREEMENT, names.EVAL_STEP}
+        rows = [{k: v for k, v in r.items() if k not in agreement} for r in rows]
+    for ev in evals:
+        rows.append(
+            {names.STEP: ev["step"], names.EVAL_STEP: ev["step"]}
+            | {f"eval/{k}": v for k, v in ev["metrics"].items()}
+        )
     return RunRecords(
         name=name or path.resolve().name,
         path=path,
@@ -383,6 +396,23 @@ _PANELS = (
                     (names.EVAL_ACCURACY, names.TIME_S, "eval accuracy"),
                 ],
             ),
+        ),
+    ),
+    _Panel(
+        "Agreement with the teacher (held-out prompts)",
+        "Evaluation without a verifier, by the version it measured: per-token KL(student || teacher) and "
+        "KL(teacher || student) on the student's own samples (exact, full vocabulary), top-1 agreement, and "
+        "ROUGE-L of the student's greedy responses against the teacher's. Lower KL and higher agreement "
+        "mean the student got closer to its teacher.",
+        f"{names.EVAL_KL_REVERSE}, {names.EVAL_KL_FORWARD}, {names.EVAL_TOP1_AGREE}, {names.EVAL_ROUGE_L}",
+        lambda runs: _line_panel(
+            runs,
+            [
+                (names.EVAL_KL_REVERSE, names.EVAL_STEP, "KL(student||teacher) / token"),
+                (names.EVAL_KL_FORWARD, names.EVAL_STEP, "KL(teacher||student) / token"),
+                (names.EVAL_TOP1_AGREE, names.EVAL_STEP, "top-1 agreement"),
+                (names.EVAL_ROUGE_L, names.EVAL_STEP, "ROUGE-L vs teacher"),
+            ],
         ),
     ),
     _Panel(

@@ -254,6 +254,7 @@ class StepLogger:
                 "time/data_wait_s": t_got - self.t_prev,
                 "time/compute_s": t_computed - t_got,  # forward, loss, backward, optimizer step
                 "time/publish_s": now - t_computed,  # gathers, weights to the store, release
+                N.PADDING_FRAC: R.padding_fraction(batch),
             }
         )
         ev, steps = self.cfg.train.eval_every, self.cfg.train.steps
@@ -273,6 +274,7 @@ class StepLogger:
         each to ``RUN/evals.jsonl``, and return the newest one's figures for the step record."""
         if due:
             self.agreement.submit(version, self.model, final=final)
+        self.agreement.open()  # from the first step on (a no-op after the first call)
         t0 = time.perf_counter()
         done = self.agreement.drain() if final else self.agreement.poll()
         self.eval_time += time.perf_counter() - t0  # only the wait at the end holds the learner

@@ -25,16 +25,22 @@ def read_samples(run_dir: str | Path) -> Any:
     return table.to_pandas() if table is not None else pd.DataFrame()
 
 
-def steady_throughput(metrics: list[dict[str, Any]]) -> float | None:
-    """Samples/s between the first and last step, excluding evaluation time and start-up."""
-    steps = [m for m in metrics if m.get(N.STEP, 0) >= 1 and N.SAMPLES_KEPT in m]
+def _mean(values: Any) -> float | None:
+    xs = [float(v) for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def steady_throughput(metrics: list[dict[str, Any]], key: str = N.SAMPLES_KEPT) -> float | None:
+    """Samples/s (or, with ``key=names.TOKENS``, trained tokens/s) between the first and last step,
+    excluding evaluation time and start-up."""
+    steps = [m for m in metrics if m.get(N.STEP, 0) >= 1 and key in m]
     if len(steps) < 2:
         return None
     first, last = steps[0], steps[-1]
     dt = (last[N.TIME_S] - last.get("time/eval_total_s", 0.0)) - (
         first[N.TIME_S] - first.get("time/eval_total_s", 0.0)
     )
-    n = sum(m[N.SAMPLES_KEPT] for m in steps[1:])
+    n = sum(m[key] for m in steps[1:])
     return n / dt if dt > 0 else None
 
 
@@ -95,6 +101,8 @@ def summarize(
         "samples_dropped": int(len(samples) - len(kept)),
         "wall_time_s": wall_s,
         "samples_per_s": steady_throughput(metrics),
+        "tokens_per_s": steady_throughput(metrics, key=N.TOKENS),
+        "padding_frac": _mean(m.get(N.PADDING_FRAC) for m in metrics),
         "lag_p50": float(np.median(lags)) if len(lags) else None,
         "lag_max": int(lags.max()) if len(lags) else None,
         "eval_accuracy_initial": evals[0] if evals else None,

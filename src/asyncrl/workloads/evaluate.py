@@ -101,17 +101,14 @@ class BackgroundAgreement:
     """
 
     def __init__(self, cfg: RunConfig, teacher_dir: str, student_dir: str, prompts: list[list[int]]) -> None:
-        import ray
-
-        actor = ray.remote(num_cpus=0)(_AgreementActor)
-        self._actor = actor.options(name=None).remote(
-            teacher_dir,
-            student_dir,
-            prompts,
+        self._args = (teacher_dir, student_dir, prompts)
+        self._kwargs = dict(
             max_new_tokens=int(cfg.sampling.max_new_tokens),
             seed=cfg.seed,
             dtype=cfg.pipeline.teacher_dtype,
+            lora=getattr(cfg.train, "lora", None),
         )
+        self._actor: Any = None  # started by ``open``: after the first step, not beside it
         self._running: tuple[int, Any] | None = None
         self._waiting: tuple[int, Any, bool] | None = None  # (version, weights ref, final)
         self.eval_time = 0.0
@@ -122,15 +119,27 @@ class BackgroundAgreement:
 
         if self._waiting is not None and self._waiting[2] and not final:
             return  # a final request waits: keep it
-        # every tensor of the model as its state dict names it (loaded strictly by the actor, so a
-        # model whose keys differ from the student checkpoint's fails loudly instead of evaluating
-        # the checkpoint's weights)
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        from asyncrl.lora import adapter_state, is_lora
+
+        # every tensor that defines the policy (a LoRA student's adapters; else the whole state dict),
+        # loaded strictly by the actor: keys that differ fail loudly instead of evaluating the checkpoint
+        state = adapter_state(model) if is_lora(model) else model.state_dict()
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         self._waiting = (version, ray.put(weights), final)
         self._start_next()
 
+    def open(self) -> None:
+        """Start the actor (a process loading the teacher and a student) and the requests waiting.
+        Called once the first optimizer step is done: on a small machine its start-up would
+        otherwise take cores from the first step's."""
+        if self._actor is None:
+            import ray
+
+            self._actor = ray.remote(num_cpus=0)(_AgreementActor).remote(*self._args, **self._kwargs)
+        self._start_next()
+
     def _start_next(self) -> None:
-        if self._running is None and self._waiting is not None:
+        if self._actor is not None and self._running is None and self._waiting is not None:
             version, ref, _ = self._waiting
             self._waiting = None
             self._running = (version, self._actor.evaluate.remote(version, ref))
@@ -151,15 +160,17 @@ class BackgroundAgreement:
 
     def drain(self) -> list[dict[str, Any]]:
         """Wait for every requested evaluation; returns them in order."""
+        self.open()
         out: list[dict[str, Any]] = []
         while self._running is not None or self._waiting is not None:
             out += self.poll(timeout=None)
         return out
 
     def close(self) -> None:
-        import ray
+        if self._actor is not None:
+            import ray
 
-        ray.kill(self._actor, no_restart=True)
+            ray.kill(self._actor, no_restart=True)
 
 
 class _AgreementActor:
@@ -174,6 +185,7 @@ class _AgreementActor:
         max_new_tokens: int,
         seed: int,
         dtype: str = "float32",
+        lora: Any = None,
     ) -> None:
         from asyncrl.workloads.agreement import AgreementEvaluator
         from asyncrl.workloads.checkpoints import load_model
@@ -181,11 +193,21 @@ class _AgreementActor:
         torch.set_num_threads(1)
         teacher, tokenizer = load_model(teacher_dir, role="teacher", dtype=getattr(torch, dtype))
         self.student, _ = load_model(student_dir, role="student")
+        self.lora = lora is not None
+        if self.lora:  # the learner's LoRA student: the same adapters on the same base weights
+            from asyncrl.lora import apply_lora
+
+            self.student = apply_lora(self.student, lora, seed=seed).eval()
         self.evaluator = AgreementEvaluator(
             teacher, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed
         )
 
     def evaluate(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-        self.student.load_state_dict(weights, strict=True)
+        if self.lora:
+            from asyncrl.lora import load_adapter_state
+
+            load_adapter_state(self.student, weights)
+        else:
+            self.student.load_state_dict(weights, strict=True)
         res = self.evaluator(self.student)
         return {"step": version, "metrics": res.metrics, "seconds": res.seconds, "samples": res.samples}

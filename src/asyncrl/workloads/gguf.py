@@ -43,7 +43,7 @@ import json
 import platform
 import time
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,7 @@ def gguf_to_checkpoint(gguf_file: str | Path, out_dir: str | Path, *, field: str
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from asyncrl.workloads.checkpoints import load_tokenizer, save_checkpoint
+    from asyncrl.workloads.checkpoints import save_checkpoint
 
     stat = src.stat()
     kw: dict[str, Any] = {"gguf_file": src.name, "local_files_only": True}
@@ -163,7 +163,9 @@ def gguf_to_checkpoint(gguf_file: str | Path, out_dir: str | Path, *, field: str
     if hasattr(clean, "quantization_config"):  # else config.json would ask for the GGUF loader again
         del clean.quantization_config
     clean.name_or_path = ""
-    model = AutoModelForCausalLM.from_config(clean, dtype=torch.float32)
+    with _no_init():  # every parameter is overwritten next: skip the random init (seconds at 135M)
+        model = AutoModelForCausalLM.from_config(clean, dtype=torch.float32)
+    model.tie_weights()  # no_init_weights skips the tying too
     state = loaded.state_dict()
     model.load_state_dict(state, strict=True)  # every key, every shape; tied embeddings stay tied
     bad = [
@@ -193,52 +195,8 @@ def gguf_to_checkpoint(gguf_file: str | Path, out_dir: str | Path, *, field: str
         "convert_s": round(time.perf_counter() - t0, 2),
         "versions": _versions(torch, transformers),
     }
-    out = save_checkpoint(model, _GenericTokenizer(tokenizer), out_dir, meta)
-    saved = load_tokenizer(out)
-    if template and saved.chat_template != template:
-        raise RuntimeError(
-            f"GGUF conversion of {src}: the saved tokenizer in {out} lost the file's chat template"
-        )
-    if saved(_PROBE)["input_ids"] != tokenizer(_PROBE)["input_ids"]:
-        warnings.warn(
-            f"GGUF conversion of {src}: transformers reloads this {model.config.model_type} checkpoint's "
-            f"tokenizer as {type(saved).__name__}, whose own pre-tokenizer encodes text differently from "
-            f"the tokenizer the file describes (tokenizer.ggml.pre={metadata.get('tokenizer.ggml.pre')!r}); "
-            f"the run uses the reloaded one",
-            stacklevel=2,
-        )
-    return out
-
-
-#: text the saved tokenizer must encode as the one built from the file does
-_PROBE = ["Hello, world! 12 + 345 = 357\n\tcafé 東京 🙂  two  spaces", "<|im_start|>user\nhi<|im_end|>"]
-
-
-class _GenericTokenizer:
-    """Saves a tokenizer under transformers' generic class (``checkpoints.GENERIC_TOKENIZER``), so
-    the directory's ``tokenizer.json``, the tokenizer transformers built from the file, loads as
-    it is. Saved under a model-specific class (e.g. ``GPT2Tokenizer``), it would be rebuilt on
-    load by that class from the vocabulary and merges alone, with the class's own pre-tokenizer
-    in place of the one the file asked for. (For the model types ``AutoTokenizer`` overrides
-    whatever the directory says, e.g. qwen2 and qwen3, it is rebuilt so anyway: a file whose
-    pre-tokenizer differs from that class's gets a warning from ``gguf_to_checkpoint``.)"""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def save_pretrained(self, path: str | Path) -> Any:
-        from asyncrl.workloads.checkpoints import GENERIC_TOKENIZER
-
-        files = self.tokenizer.save_pretrained(path)
-        f = Path(path) / "tokenizer_config.json"
-        config = json.loads(f.read_text(encoding="utf-8"))
-        config["tokenizer_class"] = GENERIC_TOKENIZER
-        for key in ("is_local", "local_files_only"):  # how it was loaded, not what it is
-            config.pop(key, None)
-        f.write_text(
-            json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
-        return files
+    pre = metadata.get("tokenizer.ggml.pre")
+    return save_checkpoint(model, _CheckedTokenizer(tokenizer, template, pre, src), out_dir, meta)
 
 
 def _restore_config(config: Any, metadata: dict[str, Any]) -> Any:
@@ -256,6 +214,54 @@ def _restore_config(config: Any, metadata: dict[str, Any]) -> Any:
         if key("feed_forward_length"):
             config.n_inner = int(key("feed_forward_length"))
     return config
+
+
+#: text the saved tokenizer must encode as the one built from the file does
+_PROBE = ["Hello, world! 12 + 345 = 357\n\tcafé 東京 🙂  two  spaces", "<|im_start|>user\nhi<|im_end|>"]
+
+
+class _CheckedTokenizer:
+    """``save_checkpoint``'s tokenizer: saved under transformers' generic class
+    (``checkpoints.GENERIC_TOKENIZER``), then loaded back from the directory (not renamed into
+    place yet: a failed check leaves no checkpoint) and checked against the file.
+
+    Why generic: the directory's ``tokenizer.json`` is the tokenizer transformers built from the
+    file, and the generic class loads it as it is; saved under a model-specific class (e.g.
+    ``GPT2Tokenizer``) it would be rebuilt on load from the vocabulary and merges alone, with that
+    class's own pre-tokenizer. For the model types ``AutoTokenizer`` overrides whatever the
+    directory says (qwen2 and qwen3 among them) it is rebuilt so anyway: when that encodes
+    differently from the file's own (``tokenizer.ggml.pre``), a warning says so. The chat
+    template the file carries must survive (an error if not)."""
+
+    def __init__(self, tokenizer: Any, template: str | None, pre: str | None, src: Path) -> None:
+        self.tokenizer, self.template, self.pre, self.src = tokenizer, template, pre, src
+
+    def save_pretrained(self, path: str | Path) -> Any:
+        from asyncrl.workloads.checkpoints import GENERIC_TOKENIZER, load_tokenizer
+
+        files = self.tokenizer.save_pretrained(path)
+        f = Path(path) / "tokenizer_config.json"
+        config = json.loads(f.read_text(encoding="utf-8"))
+        config["tokenizer_class"] = GENERIC_TOKENIZER
+        for key in ("is_local", "local_files_only"):  # how it was loaded, not what it is
+            config.pop(key, None)
+        f.write_text(
+            json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+        saved = load_tokenizer(path)  # as every process of a run will load it
+        if self.template and saved.chat_template != self.template:
+            raise RuntimeError(
+                f"GGUF conversion of {self.src}: the saved tokenizer lost the file's chat template"
+            )
+        if saved(_PROBE)["input_ids"] != self.tokenizer(_PROBE)["input_ids"]:
+            warnings.warn(
+                f"GGUF conversion of {self.src}: transformers loads the converted checkpoint's tokenizer "
+                f"as {type(saved).__name__}, whose own pre-tokenizer encodes text differently from the "
+                f"tokenizer the file describes (tokenizer.ggml.pre={self.pre!r}); runs use "
+                f"{type(saved).__name__}'s encoding",
+                stacklevel=4,
+            )
+        return files
 
 
 def cached_dir(gguf_file: str | Path, cache_dir: str | Path) -> Path:
@@ -293,6 +299,14 @@ def materialize(path: str | Path, cache_dir: str | Path, *, field: str = "model 
             if not done():
                 gguf_to_checkpoint(p, target, field=field)
     return str(target)
+
+
+def _no_init() -> Any:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # another transformers layout: initialise, only slower
+        return nullcontext()
+    return no_init_weights()
 
 
 @contextmanager
