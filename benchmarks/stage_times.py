@@ -87,9 +87,10 @@ class Stages:
         ).eval()
         # the generator's engine options (e.g. dtype=bfloat16), as a generator actor gets them
         self.engine = ENGINES.get(cfg.pipeline.engine).from_pretrained(student_dir, **plan.engine_options)
-        train_ex, self.eval_examples = load_examples(cfg)
+        # the plan's config: a real preset's prompt files are set there (workload.prompts_path)
+        train_ex, self.eval_examples = load_examples(plan.cfg)
         if train_ex is None:  # prompt files (workload.prompts_path, a real preset): the stream's blocks
-            self.blocks = file_blocks(cfg, plan.prompts, self.tokenizer)
+            self.blocks = file_blocks(plan.cfg, plan.prompts, self.tokenizer)
         else:
             width = max(map(len, prompt_token_ids(self.tokenizer, [e.prompt for e in train_ex[:2048]])))
             self.blocks = prompt_blocks(cfg, train_ex, self.tokenizer, width)

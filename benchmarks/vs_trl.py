@@ -197,6 +197,9 @@ REGIMES: dict[str, dict[str, Any]] = {
         "max_new_tokens": 128,
         "preset": "smollm2",
         "config": "opd_smollm2.yaml",
+        #: before every system's overrides: the config ships bf16 (precision, teacher); a system
+        #: without the bf16 overrides (``BF16``) runs fp32 as TRL without ``bf16=True`` does
+        "base": ["train.precision=fp32", "pipeline.teacher_dtype=float32", "pipeline.engine_options={}"],
         "eval": "agreement",
         "defaults": {"steps": 12, "batch": 16, "rounds": 1, "eval_size": 16, "stage_repeats": 0},
         "systems": [
@@ -378,6 +381,7 @@ def run_config(spec: dict[str, Any], more: list[str], *, parse_only: bool = Fals
             "telemetry.progress=false",
             "telemetry.tensorboard=false",
             f"run_dir={spec['run_dir']}",
+            *spec.get("base", []),
             *more,
         ],
     )
@@ -489,18 +493,17 @@ def prompt_stream(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[list[int]]]
     A task's split: the driver's blocks (``prompt_blocks``). Prompt files (a real preset): the
     stream's blocks (``stage_times.file_blocks``), and each row's ``messages`` chat by ``prompt_id``."""
     from asyncrl import records as R
-    from asyncrl.plan import load_examples, make_plan, prompt_blocks
+    from asyncrl.plan import load_examples, make_plan
     from asyncrl.workloads.tasks import prompt_token_ids
 
-    train, _ = load_examples(cfg)
+    plan = make_plan(cfg)  # its config has a real preset's prompt files (workload.prompts_path)
+    blocks = stage_blocks(cfg, tokenizer)[: cfg.train.steps]
+    train, _ = load_examples(plan.cfg)
     if train is None:
-        from stage_times import file_blocks
-
         from asyncrl.stream import local_reader
         from asyncrl.workloads import prompts as P
 
-        source = make_plan(cfg).prompts
-        blocks = file_blocks(cfg, source, tokenizer)[: cfg.train.steps]
+        source = plan.prompts
         by_id: dict[int, Any] = {}
         for table in local_reader(source.kind)(source.files):
             ids = P.prompt_ids(table, source.prompt_column)
@@ -512,9 +515,7 @@ def prompt_stream(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[list[int]]]
             for row, mask in zip(b[R.PROMPT_IDS], b[R.PROMPT_MASK].astype(bool))
         ]
         return rows, ids
-    width = max(map(len, prompt_token_ids(tokenizer, [e.prompt for e in train])))
     by_text = {e.prompt_id: e.prompt for e in train}
-    blocks = prompt_blocks(cfg, train, tokenizer, width)[: cfg.train.steps]
     prompts = [by_text[int(i)] for b in blocks for i in b[R.PROMPT_ID]]
     return trl_rows(tokenizer, prompts), prompt_token_ids(tokenizer, prompts)
 
@@ -768,6 +769,9 @@ def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         )
     model = AutoModelForCausalLM.from_pretrained(models[0], local_files_only=True)
     tok = AutoTokenizer.from_pretrained(student_dir, local_files_only=True)
+    # the run trained the prompt stream TRL and the plain loop get (stream positions = sample ids)
+    trained = samples.sort_values("sample_id")["prompt_id"].astype(int).tolist()
+    stream = [int(i) for b in stage_blocks(cfg, tok) for i in b["prompt_id"]][: len(trained)]
     s = res.summary
     mem = {
         k: max(r[k] for r in rows if k in r)
@@ -788,7 +792,23 @@ def child_pipeline(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         "summary_wall_s": s.get("wall_time_s"),
         "lag_max": s.get("lag_max"),
         "samples_dropped": s.get("samples_dropped"),
+        "same_prompts": trained == stream,
     }
+
+
+def stage_blocks(cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """The run's prompt blocks in stream order (a task's split or the prompt files), as ``prompt_stream``."""
+    from asyncrl.plan import load_examples, make_plan, prompt_blocks
+    from asyncrl.workloads.tasks import prompt_token_ids
+
+    plan = make_plan(cfg)
+    train, _ = load_examples(plan.cfg)
+    if train is None:
+        from stage_times import file_blocks
+
+        return file_blocks(plan.cfg, plan.prompts, tokenizer)
+    width = max(map(len, prompt_token_ids(tokenizer, [e.prompt for e in train])))
+    return prompt_blocks(plan.cfg, train, tokenizer, width)
 
 
 def step_breakdown(steps: list[dict[str, Any]], samples: Any, skip: int) -> dict[str, float]:
@@ -1183,6 +1203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cores": args.cores,
         "rounds": args.rounds,
         "config": regime.get("config", CONFIG.name),
+        "base": regime.get("base", []),
         "eval": regime.get("eval", "exact_match"),
     }
     pair_dirs(settings)  # fail now, with the pretrain / prepare command, if the pair is missing
@@ -1222,6 +1243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "summary_tokens_per_s",
                     "summary_first_step_s",
                     "eval_s",
+                    "same_prompts",
                 )
                 fig.update({k: res[k] for k in extra_real if k in res})
                 per_round[system].append(fig)

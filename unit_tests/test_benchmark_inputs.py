@@ -137,7 +137,8 @@ def test_vs_trl_smollm2_systems_parse_and_build_their_configs(system: str, tmp_p
     regime = vs_trl.REGIMES["smollm2"]
     assert system in vs_trl.SYSTEMS and vs_trl.REFERENCE in regime["systems"]
     spec = dict(
-        task=regime["task"], preset=regime["preset"], config=regime["config"], cache_dir=str(tmp_path),
+        task=regime["task"], preset=regime["preset"], config=regime["config"], base=regime["base"],
+        cache_dir=str(tmp_path),
         seed=0, steps=6, batch=8, max_new_tokens=regime["max_new_tokens"], run_dir=str(tmp_path / "run"),
     )  # fmt: skip
     label, kind, overrides, _ = vs_trl.SYSTEMS[system]
@@ -149,6 +150,7 @@ def test_vs_trl_smollm2_systems_parse_and_build_their_configs(system: str, tmp_p
     bf16 = system.endswith("_bf16")
     assert (cfg.train.precision == "bf16") == bf16 == vs_trl.is_bf16(system), label
     assert (cfg.pipeline.teacher_dtype == "bfloat16") == bf16
+    assert cfg.pipeline.engine_options == ({"dtype": "bfloat16"} if bf16 else {})
     if kind == "pipeline":
         assert cfg.pipeline.colocate == ("colocated" in system)
         assert cfg.pipeline.max_lag == int(system[3])

@@ -260,24 +260,53 @@ def stage_specs(plan: RunPlan, namespace: str, store_name: str, *, stream: int |
 
 #: a stage actor's memory besides its models: Python, torch, Ray's worker and Ray Data's buffers
 #: (the resident set of a stage actor holding a 1M-parameter model); see ``actor_memory``
-ACTOR_BASE_MEMORY = 640 << 20
+ACTOR_BASE_MEMORY = 768 << 20
 
 
-def actor_memory(*model_dirs: str | None, dtype_bytes: int = 4) -> int:
-    """Bytes of memory a stage actor asks Ray for (``memory=``): its models' weights, twice (the
-    weights, and the activations, KV cache and logits of a batch at worst as large), plus
-    ``ACTOR_BASE_MEMORY``. Why: an operator that asks for no memory but uses more than Ray's
-    per-CPU default gets Ray Data's "consider setting memory=..." warning on every run at a real
-    model size, and Ray cannot keep actors that do not fit off one node; a request sized from the
-    checkpoint lets the scheduler know and gives the warning no cause. Weight files are read as
-    float32 (``dtype_bytes`` scales them for another dtype)."""
-    total = ACTOR_BASE_MEMORY
+def actor_memory(*model_dirs: str | None, dtype_bytes: int = 4, extra: int = 0) -> int:
+    """Bytes of memory a stage actor asks Ray for (``memory=``): its models' weights three times
+    (the model, a received state dict, and the copy a weight load makes), ``extra`` (the logits of
+    a batch), plus ``ACTOR_BASE_MEMORY``.
+
+    Why: an operator that asks for no memory but uses more than Ray's per-CPU default, or uses
+    more than 4/5 of what it asked for, gets Ray Data's "consider setting memory=..." warning in
+    the terminal on every run at a real model size, and Ray cannot keep actors that do not fit off
+    one node; a request sized from the checkpoint lets the scheduler know and gives the warning no
+    cause. Weight files are read as float32 (``dtype_bytes`` scales them for another dtype)."""
+    total = ACTOR_BASE_MEMORY + int(extra)
     for d in model_dirs:
         if d:
             stored = sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
             stored += sum(f.stat().st_size for f in Path(d).glob("pytorch_model*.bin"))
-            total += 2 * stored * dtype_bytes // 4
+            total += 3 * stored * dtype_bytes // 4
     return int(total)
+
+
+def _stage_memory(plan: RunPlan) -> tuple[int, int, int]:
+    """(generator, scorer, prompt stream) memory requests: ``actor_memory`` of each, the scorer's
+    with its [B/W, T, V] float32 logits three times (logits, log-softmax, the cache's gathers), each
+    capped at the node's memory over the number of actors (a request Ray cannot grant would leave
+    the actor unscheduled)."""
+    import ray
+
+    from asyncrl.workloads.checkpoints import model_config
+
+    cfg, pc = plan.cfg, plan.cfg.pipeline
+    local = cfg.train.batch_size // pc.learner_workers
+    vocab = int(model_config(plan.models.student_dir).get("vocab_size") or 0)
+    logits = 3 * local * int(cfg.sampling.max_new_tokens) * vocab * 4
+    gen = actor_memory(plan.models.student_dir, extra=local * vocab * 4 * 3)
+    teacher_bytes = 2 if pc.teacher_dtype == "bfloat16" else 4
+    score = actor_memory(
+        None if plan.rl else plan.models.teacher_dir, dtype_bytes=teacher_bytes, extra=logits
+    )
+    try:
+        node = float(ray.cluster_resources().get("memory", 0.0))
+    except Exception:  # not connected: no cap to apply
+        node = 0.0
+    cap = int(node / (pc.generators + pc.teacher_scorers + 1)) if node > 0 else None
+    stream = ACTOR_BASE_MEMORY
+    return tuple(min(m, cap) if cap else m for m in (gen, score, stream))  # type: ignore[return-value]
 
 
 def build_dataset(
@@ -312,9 +341,7 @@ def build_dataset(
     if pc.colocate:
         return ds
     stages = stage_specs(plan, namespace, store_name, stream=stream)
-    gen_memory = actor_memory(plan.models.student_dir)
-    teacher_bytes = 2 if pc.teacher_dtype == "bfloat16" else 4
-    score_memory = actor_memory(None if plan.rl else plan.models.teacher_dir, dtype_bytes=teacher_bytes)
+    gen_memory, score_memory, _ = _stage_memory(plan)
     # on cuda every actor reserves a GPU share (Ray hides GPUs from actors that reserve none)
     actor_gpus = pc.gpus_per_actor if pc.device == "cuda" else None
     if pc.fuse_scoring:  # one actor pool generates and scores each block
@@ -367,7 +394,7 @@ def streamed(plan: RunPlan, skip_ids: np.ndarray | None) -> Any:
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1),
         num_cpus=0.1,
-        memory=ACTOR_BASE_MEMORY,  # a tokenizer and a window of prompt rows (see actor_memory)
+        memory=_stage_memory(plan)[2],  # a tokenizer and a window of prompt rows (see actor_memory)
         fn_constructor_kwargs=dict(
             source=plan.prompts,
             tokenizer_dir=plan.models.student_dir,

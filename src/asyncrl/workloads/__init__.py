@@ -1,4 +1,4 @@
-"""Built-in workload: synthetic tasks, built-in tokenizers, tiny model presets, pretraining.
+"""Workloads: real presets, synthetic tasks, built-in tokenizers, tiny model presets, pretraining.
 
 No model hub is reachable, so ``asyncrl pretrain`` trains a small teacher and a weaker
 student (``transformers`` Llama/GPT-2 built from a config) on a built-in task and caches
@@ -9,7 +9,10 @@ Modules: ``tasks`` (Task protocol, TASKS, rewards, prompt encoding through the t
 template, answer token budgets), ``prompts`` (prompt files: Parquet / JSONL / datasets folders,
 ``prompt`` or chat ``messages``, metadata for the reward), ``tokenizer`` (char and Qwen BPE
 tokenizers, TOKENIZERS), ``presets`` (PRESETS, per-task overrides, build_model), ``pretrain``,
-``evaluate`` (greedy exact match), ``checkpoints`` (save / check / load_pair).
+``evaluate`` (greedy exact match; the agreement eval's actor), ``agreement`` (evaluation without a
+verifier: the student's agreement with its teacher), ``checkpoints`` (save / check / load_pair),
+``gguf`` (GGUF files as checkpoints), ``real`` (real presets: a pretrained teacher, a student pruned
+from it and chat prompts, from registry packages; ``asyncrl prepare``).
 Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light. The
 ``pretrain`` function lives in (and is not re-exported over) the ``pretrain`` submodule:
 ``from asyncrl.workloads.pretrain import pretrain``.
@@ -42,6 +45,10 @@ _EXPORTS = {
     "PretrainResult": "pretrain",
     "PretrainError": "pretrain",
     "exact_match": "evaluate",
+    "AgreementEvaluator": "agreement",
+    "REAL_PRESETS": "real",
+    "prepare": "real",
+    "gguf_to_checkpoint": "gguf",
     "load_pair": "checkpoints",
     "CheckpointError": "checkpoints",
 }

@@ -16,7 +16,8 @@ loss plateau, so its student is a 1-layer, 2-head model that learns it gradually
 * ``qwen-tiny``: Qwen3 blocks with Qwen's real 151,936-logit BPE vocabulary and chat-templated
   prompts (tied embeddings, hidden 64; teacher 4 layers, student 1): the large-vocabulary path end to end.
 
-Measured pretraining times per task are in the README ("Built-in tasks and presets").
+Measured pretraining times per task are in docs/tasks.md. The real presets (a pretrained teacher,
+a student pruned from it, chat prompts) are ``asyncrl.workloads.real``.
 """
 
 from __future__ import annotations
