@@ -18,6 +18,7 @@ SHIPPED = (
     "opd_one_machine.yaml",
     "opd_reverse_kl_mc.yaml",
     "opd_smollm2.yaml",
+    "opd_smollm2_lora.yaml",
     "opd_sync.yaml",
     "opd_tiny.yaml",
     "soak.yaml",
@@ -84,3 +85,11 @@ def test_real_config_is_the_real_demo() -> None:
     assert demo.estimator.name == shipped.estimator.name and shipped.estimator.options == {"tail": "bucket"}
     assert demo.pipeline == shipped.pipeline
     assert shipped.workload.preset == "smollm2" and shipped.workload.prompts_path is None
+
+
+def test_real_lora_config_is_the_real_config_with_adapters() -> None:
+    full, lora = load_config(CONFIGS / "opd_smollm2.yaml"), load_config(CONFIGS / "opd_smollm2_lora.yaml")
+    assert full.train.lora is None and lora.train.lora is not None and lora.pipeline.provenance == "strict"
+    assert lora.workload == full.workload and lora.sampling == full.sampling and lora.cache == full.cache
+    assert lora.train.steps == full.train.steps and lora.train.batch_size == full.train.batch_size
+    assert lora.pipeline.max_lag == full.pipeline.max_lag

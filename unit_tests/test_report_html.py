@@ -97,6 +97,7 @@ def write_fake_run(
                 "completion_len": rng.integers(2, 5, size=batch),
                 "loss": rng.random(batch),
                 "step": np.full(batch, step),
+                "token_lag_counts": _token_lag_counts(lags, rng),
             }
         )
     if optional:  # the agreement eval (prompts without answers): RUN/evals.jsonl, by version
@@ -137,6 +138,17 @@ def two_runs(tmp_path: Path) -> list[Path]:
     ]
 
 
+def _token_lag_counts(lags: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Per sample: its tokens per lag bucket (a few at its own lag, some newer: in-flight updates)."""
+    out = np.empty(len(lags), dtype=object)
+    for i, lag in enumerate(lags):
+        counts = np.zeros(7, dtype=np.int64)
+        counts[min(int(lag), 2)] += rng.integers(1, 4)
+        counts[0] += rng.integers(0, 3)
+        out[i] = counts
+    return out
+
+
 def _images(page: str) -> list[bytes]:
     return [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
 
@@ -144,7 +156,7 @@ def _images(page: str) -> list[bytes]:
 def test_two_runs_render_every_panel_with_both_names(two_runs: list[Path]) -> None:
     page = render_report(two_runs)
     images = _images(page)
-    assert len(images) == 11  # every panel recorded
+    assert len(images) == 12  # every panel recorded
     assert all(img.startswith(b"\x89PNG\r\n\x1a\n") and len(img) > 2000 for img in images)
     assert "not recorded" not in page
     assert page.count("<img") == len(images)  # self-contained: every image is a data URI
@@ -162,7 +174,7 @@ def test_missing_optional_metrics_say_not_recorded(tmp_path: Path) -> None:
     for missing in (names.ESS_RHO, names.TEACHER_MASS, names.LR_APPLIED, names.GRADREF_COS):
         assert re.search(rf"class='missing'>not recorded: [^<]*{re.escape(missing)}", page), missing
     # grad norm is recorded, GAC cosine is not: that panel still renders, with a note inside the plot
-    assert len(_images(page)) == 11 - 5
+    assert len(_images(page)) == 12 - 5
 
 
 def test_unfinished_run_with_live_parts_and_no_summary(tmp_path: Path) -> None:
@@ -172,7 +184,7 @@ def test_unfinished_run_with_live_parts_and_no_summary(tmp_path: Path) -> None:
     assert records.samples is not None and len(records.samples) == 12 * 8
     page = render_report([records])
     assert "unfinished (no summary.json)" in page
-    assert "Lag histogram" in page and len(_images(page)) == 11
+    assert "Lag histogram" in page and len(_images(page)) == 12
 
 
 @pytest.mark.parametrize("missing", [names.METRICS_FILE, names.CONFIG_FILE])

@@ -223,6 +223,18 @@ class PipelineConfig:
     no_progress_timeout_s: float = field(120.0, help="fail a stalled Ray Data stream after this many s")
     rpc_timeout_s: float = field(60.0, help="timeout of every PolicyStore call")
     resume: bool = field(True, help="resume from the run directory's latest checkpoint if present")
+    inflight_updates: bool = field(
+        False,
+        help="a generator that sees a newer published version between decode steps loads it and continues "
+        "its unfinished sequences with the new weights (token_versions records which version made each "
+        "token; the staleness bound then holds per token); engine=hf (its KV cache of the prefix: "
+        "engine_options.inflight_kv=recompute|keep); not with colocate or lag_mode=fixed",
+    )
+    inflight_poll_steps: int = field(
+        1,
+        help="with inflight_updates: decode steps between version checks (a check never waits: it reads "
+        "the answer of the PolicyStore call sent at the previous check)",
+    )
     provenance: Literal["strict", "warn", "off"] = field(
         "strict",
         help="check that every rollout was sampled with the weights the learner published at the version it "
@@ -271,6 +283,24 @@ class PipelineConfig:
                 f"colocate=true with max_lag=0 samples from the learner's model (its dtype, device and "
                 f"threads): only 'decode' applies; drop {extra}, use max_lag>=1 (a rollout thread with its "
                 f"own engine) ({fix})",
+            )
+        check(self.inflight_poll_steps >= 1, "inflight_poll_steps", self.inflight_poll_steps, "use >= 1")
+        if self.inflight_updates:
+            check(
+                not self.colocate,
+                "inflight_updates",
+                self.inflight_updates,
+                "colocate=true is not supported with in-flight updates: in step (max_lag=0) the engine "
+                "samples from the learner's model, which does not change during a rollout; a rollout "
+                "thread (max_lag>=1) reads its rank's weights at admission only. Set "
+                "pipeline.colocate=false (stage actors) or inflight_updates=false",
+            )
+            check(
+                self.lag_mode == "bound",
+                "inflight_updates",
+                self.inflight_updates,
+                "lag_mode=fixed generates every block with one pinned version, which in-flight updates "
+                "would replace mid-sequence: use lag_mode=bound or inflight_updates=false",
             )
         check(self.zero_stage in (1, 2), "zero_stage", self.zero_stage, "use 1 or 2")
         check(self.max_engine_restarts >= 0, "max_engine_restarts", self.max_engine_restarts, "use >= 0")
@@ -488,9 +518,17 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
     from dataclasses import replace
 
     from asyncrl.workloads.pretrain import workload_tokenizer
+    from asyncrl.workloads.real import is_real
     from asyncrl.workloads.tasks import answer_token_budget, get_task
 
     w = cfg.workload
+    if is_real(w.preset) and not w.student_path:
+        raise ConfigError(
+            "sampling.max_new_tokens",
+            "auto",
+            f"auto sizes generation from a task's answers; real preset {w.preset!r} has chat prompts "
+            f"without answers: set a response budget, e.g. sampling.max_new_tokens=64",
+        )
     tokenizer = workload_tokenizer(
         w.task, w.preset, cache_dir=w.cache_dir, seed=w.pretrain_seed, student_path=w.student_path
     )

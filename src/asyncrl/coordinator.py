@@ -367,7 +367,10 @@ class PolicyStoreClient:
         return cls(handle, timeout_s, local)
 
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        ref = getattr(self.handle, method).remote(*args)
+        return self._call_ref(getattr(self.handle, method).remote(*args), method, timeout_s=timeout_s)
+
+    def _call_ref(self, ref: Any, method: str, *, timeout_s: float | None = None) -> Any:
+        """The answer of a store call already sent (``ref``), with ``_call``'s timeout and errors."""
         try:
             return ray.get(ref, timeout=timeout_s if timeout_s is not None else self.timeout_s)
         except ray.exceptions.GetTimeoutError as err:
@@ -445,6 +448,44 @@ class PolicyStoreClient:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._call("load_state_dict", state)
+
+
+class VersionWatch:
+    """A generator's in-flight weight check (``pipeline.inflight_updates``): ``poll`` is the
+    ``WeightsPoll`` an engine calls between decode steps.
+
+    A check never waits on the store: it sends ``PolicyStore.latest(have)`` and returns; a later
+    check reads the answer if it has come (``ray.wait`` with no timeout) and sends the next. So a
+    decode step pays a few microseconds, newer weights are seen one store round trip after they
+    are published, and only then fetched (the one blocking part: ``ray.get`` of the weights and
+    their unpacking). ``have``: the version the engine holds; ``on_load(version)`` is called
+    before the weights are handed to the engine (the stage counts loads and injects its faults).
+    """
+
+    def __init__(self, client: PolicyStoreClient, have: int) -> None:
+        self.client = client
+        self.have = have
+        self._pending: Any = None
+        self.checks = 0  # answers read
+        self.loads = 0  # newer versions handed to the engine
+
+    def poll(self) -> tuple[int, Mapping[str, torch.Tensor]] | None:
+        """``(version, state_dict)`` of weights newer than ``have`` if the last check found them."""
+        if self._pending is None:
+            self._pending = self.client.handle.latest.remote(self.have)
+            return None
+        ready, _ = ray.wait([self._pending], timeout=0)
+        if not ready:
+            return None
+        version, refs = self.client._call_ref(self._pending, "latest")
+        self._pending = self.client.handle.latest.remote(max(self.have, version))
+        self.checks += 1
+        if refs is None or version <= self.have:
+            return None
+        state = self.client._fetch(version, refs[0])
+        self.have = version
+        self.loads += 1
+        return version, state
 
 
 def _put(state_dict: Mapping[str, torch.Tensor] | None) -> Any:

@@ -13,6 +13,10 @@ kind has one injection point:
 - ``skip_weight_load: k``: a generator's engine skips its k-th weight load (it keeps the weights it
   holds and stamps the new version on its tokens: the update never arrived), which the provenance
   check (``pipeline.provenance``) must catch;
+- ``engine_dies_mid_sequence: k``: with ``pipeline.inflight_updates``, a generator's engine dies
+  (``EngineDeadError``) at its k-th version check between decode steps, i.e. in the middle of a
+  rollout whose tokens may already span versions: the partial rollout is discarded and the block is
+  regenerated whole (crash-only, as any engine death);
 - ``generator_delay_p`` / ``generator_delay_s``: a generator sleeps up to ``s`` seconds before a
   block with probability ``p`` (seeded per block), the slow-generator soak.
 
@@ -59,11 +63,23 @@ class FaultConfig:
         help="chaos testing: a generator's engine skips its k-th weight load but claims the new version "
         "(once per run); 0 = off",
     )
+    engine_dies_mid_sequence: int = field(
+        0,
+        help="chaos testing: with pipeline.inflight_updates, a generator's engine dies at its k-th version "
+        "check between decode steps, mid-rollout (once per run); 0 = off",
+    )
     generator_delay_p: float = field(0.0, help="chaos testing: probability a generator sleeps before a block")
     generator_delay_s: float = field(0.0, help="chaos testing: longest such sleep (uniform), seconds")
 
     def __post_init__(self) -> None:
-        for name in ("generator_exit", "scorer_exit", "learner_exit", "nonfinite_step", "skip_weight_load"):
+        for name in (
+            "generator_exit",
+            "scorer_exit",
+            "learner_exit",
+            "nonfinite_step",
+            "skip_weight_load",
+            "engine_dies_mid_sequence",
+        ):
             check(getattr(self, name) >= 0, name, getattr(self, name), "use 0 (off) or a count k >= 1")
         check(self.nonfinite_count >= 1, "nonfinite_count", self.nonfinite_count, "use an integer >= 1")
         check(

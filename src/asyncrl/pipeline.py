@@ -236,6 +236,8 @@ def stage_specs(plan: RunPlan, namespace: str, store_name: str, *, stream: int |
         max_engine_restarts=pc.max_engine_restarts,
         stream=stream,
         faults=faults,
+        inflight_updates=pc.inflight_updates,
+        inflight_poll_steps=pc.inflight_poll_steps,
     )
     if plan.rl:
         return StageSpecs(

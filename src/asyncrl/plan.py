@@ -154,7 +154,7 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     from asyncrl.caches import cache_options as options_for
     from asyncrl.controllers import build_chain
     from asyncrl.engines import ENGINES
-    from asyncrl.engines.base import SamplingParams, check_engine
+    from asyncrl.engines.base import SamplingParams, check_engine, supports_inflight
     from asyncrl.estimators import build as build_estimator
     from asyncrl.step import check_composition
 
@@ -197,6 +197,19 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
     engine = ENGINES.get(cfg.pipeline.engine)
     check_engine(engine, cfg.pipeline.engine, generator_engine_options(cfg))
     options = lora_engine_options(cfg, cfg.pipeline.engine_options)
+    if cfg.pipeline.inflight_updates:  # the engine must poll between decode steps, or refuse here
+        # the engine's own reason first (vllm: no pause / update / resume in its offline API)
+        params = SamplingParams(**to_dict(cfg.sampling))
+        engine.check_supported(None, params, **options, inflight_updates=True)
+        if not supports_inflight(engine):
+            raise ConfigError(
+                "pipeline.inflight_updates",
+                True,
+                f"engine {cfg.pipeline.engine!r} takes no generate(..., poll_weights=...) (asyncrl.engines."
+                f"base.WeightsPoll), so it cannot load weights between decode steps: use pipeline.engine=hf "
+                f"or inflight_updates=false",
+            )
+        options = {**options, "inflight_updates": True}
     engine.check_supported(student_dir, SamplingParams(**to_dict(cfg.sampling)), **options)
     pc = cfg.pipeline
     chain = build_chain(controller_specs(cfg))

@@ -22,7 +22,12 @@ another engine (that engine's fingerprint is then the older one), and a corrupte
 does not see: state *derived* from weights after the load (a merged LoRA copy, a KV or prefix
 cache); an engine that keeps such state must rebuild it on every load, and says so (the HF engine
 rebuilds its merged weights from the base copy on every load; its decoder reads the weights
-afresh per rollout; the vLLM engine resets its prefix cache).
+afresh per rollout; the vLLM engine resets its prefix cache). In-flight updates
+(``pipeline.inflight_updates``) load weights *inside* a rollout, where the HF engine's fast
+decoder holds fused copies of q/k/v and gate/up and a KV cache: after a load it re-gathers the
+copies, checks them against the live parameters (``same_elements``; a stale copy turns the
+version's fingerprint into ``stale_fingerprint``, which matches nothing, so the check below fails
+loudly), and by default recomputes the prefix's KV cache (``HFEngine(inflight_kv=...)``).
 
 The canonical weights are what the learner publishes (``asyncrl.coordinator.publishable_state``):
 the full state dict, or with ``train.lora`` the adapter tensors only (``asyncrl.lora``). An engine
@@ -124,6 +129,26 @@ def weights_fingerprint(state: Mapping[str, torch.Tensor]) -> int:
     samples = sample_weights(state)
     dtype = next((v.dtype for v in samples.values()), None)
     return fingerprint(samples, dtype)
+
+
+def same_elements(live: torch.Tensor, held: torch.Tensor, k: int = 64) -> bool:
+    """Whether a copy ``held`` derived from the weight ``live`` (a fused decoder copy) still holds
+    its elements, bit-exactly, at ``k`` sampled indices (all of a smaller tensor): how an engine
+    proves that state derived from its weights was rebuilt after a load."""
+    a, b = live.detach().reshape(-1), held.detach().reshape(-1)
+    if a.shape != b.shape:
+        return False
+    idx = _indices(f"derived/{a.numel()}", a.numel(), k).to(a.device)
+    return bool(torch.equal(a[idx].to(b.dtype), b[idx]))
+
+
+def stale_fingerprint(fp: int, n_stale: int) -> int:
+    """The fingerprint an engine reports for a version whose derived state (``same_elements``)
+    outlived the load: ``fp`` mixed with a marker, so it matches no published version and the
+    learner's check refuses the samples loudly instead of training on what the copies held."""
+    h = hashlib.blake2b(np.asarray([fp, n_stale, 0x57A1E], dtype=np.int64).tobytes(), digest_size=8)
+    value = int.from_bytes(h.digest(), "little", signed=True)
+    return value if value != NO_FINGERPRINT else 1
 
 
 def combine(fingerprints: Iterable[int]) -> int:
@@ -281,6 +306,8 @@ __all__ = [
     "combine",
     "fingerprint",
     "row_versions",
+    "same_elements",
     "sample_weights",
+    "stale_fingerprint",
     "weights_fingerprint",
 ]

@@ -28,7 +28,7 @@ import torch
 
 from asyncrl import records as R
 from asyncrl.caches import CACHES, score_teacher
-from asyncrl.coordinator import CoordinatorError, LocalWeights, PolicyStoreClient
+from asyncrl.coordinator import CoordinatorError, LocalWeights, PolicyStoreClient, VersionWatch
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
 from asyncrl.faults import NO_FAULTS, Faults
@@ -91,6 +91,10 @@ def _exit_process(code: int) -> None:
 class Generate:
     """Ray Data actor UDF holding one rollout engine for the actor's lifetime."""
 
+    #: pipeline.inflight_updates / inflight_poll_steps (class defaults: off)
+    inflight_updates = False
+    inflight_poll_steps = 1
+
     def __init__(
         self,
         *,
@@ -109,6 +113,8 @@ class Generate:
         faults: Faults = NO_FAULTS,
         model: torch.nn.Module | None = None,
         local_weights: LocalWeights | None = None,
+        inflight_updates: bool = False,
+        inflight_poll_steps: int = 1,
     ) -> None:
         if model is not None:  # a learner worker's own model (``pipeline.colocate``): no weights to load
             from asyncrl.engines.hf import HFEngine
@@ -141,6 +147,11 @@ class Generate:
         self.max_engine_restarts = max_engine_restarts
         self.loads = 0  # weight loads asked of the engine (faults.skip_weight_load counts them)
         self.identity = engine_identity(self.engine)
+        #: pipeline.inflight_updates: the engine polls the store between decode steps
+        self.inflight_updates = inflight_updates
+        self.inflight_poll_steps = inflight_poll_steps
+        self.inflight_loads = 0  # weights loaded mid-rollout (telemetry)
+        self.inflight_polls = 0  # mid-rollout checks (faults.engine_dies_mid_sequence counts them)
 
     def _restart_or_fail(self, err: EngineDeadError) -> None:
         """Crash-only recovery: exit this actor's process so Ray Data restarts it (a fresh engine,
@@ -164,16 +175,44 @@ class Generate:
         """Load the weights the admission came with (a controller's pinned version, or the latest
         if newer than ours; None when we hold them)."""
         if admitted["weights"] is not None:
-            version, state = admitted["weights"]
-            self.loads += 1
-            if self.faults.once("skip_weight_load", self.loads):  # the update never arrives
-                print(
-                    f"asyncrl: fault injected: skip_weight_load at load {self.loads}, v{version}", flush=True
-                )
-                self.engine.weights_updated(version)  # claims the version, keeps the weights it holds
-            else:
-                self.engine.load_weights(state, version)
-            self.have_version = version
+            self._load(*admitted["weights"])
+
+    def _load(self, version: int, state: Any) -> None:
+        """Load ``state`` at ``version`` into the engine (or, under the ``skip_weight_load`` fault,
+        claim the version and keep the weights held)."""
+        self.loads += 1
+        if self.faults.once("skip_weight_load", self.loads):  # the update never arrives
+            print(f"asyncrl: fault injected: skip_weight_load at load {self.loads}, v{version}", flush=True)
+            self.engine.weights_updated(version)  # claims the version, keeps the weights it holds
+        else:
+            self.engine.load_weights(state, version)
+        self.have_version = version
+
+    def _poll_weights(self, admitted: dict[str, Any]) -> Any:
+        """The ``WeightsPoll`` for this block's rollout (``pipeline.inflight_updates``), or None: off,
+        or the admission pinned a behavior version (the block must use that version throughout).
+
+        It loads newer weights itself (``_load``: load counting and faults as at admission) and
+        returns None; the engine stamps later tokens with its version after the call. If the
+        engine dies here (``EngineDeadError``, or the ``engine_dies_mid_sequence`` fault), the
+        partial rollout is discarded and the block is regenerated whole under its admission."""
+        if not self.inflight_updates or admitted.get("behavior_version") is not None:
+            return None
+        watch = VersionWatch(self.store, self.engine.version)
+
+        def poll() -> None:
+            self.inflight_polls += 1
+            if self.faults.once("engine_dies_mid_sequence", self.inflight_polls):
+                what = f"engine_dies_mid_sequence at check {self.inflight_polls}"
+                print(f"asyncrl: fault injected: {what}", flush=True)
+                raise EngineDeadError(f"fault injected: {what} (the engine died mid-rollout)")
+            got = watch.poll()
+            if got is not None:
+                self.inflight_loads += 1
+                self._load(*got)
+            return None
+
+        return poll
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch[R.SAMPLE_ID])
@@ -193,11 +232,14 @@ class Generate:
         try:
             self._sync_weights(admitted)
             prompts = R.to_torch({k: batch[k] for k in (R.PROMPT_IDS, R.PROMPT_MASK)})
+            poll = self._poll_weights(admitted)
+            inflight = {} if poll is None else {"poll_weights": poll, "poll_every": self.inflight_poll_steps}
             out = self.engine.generate(
                 prompts[R.PROMPT_IDS],
                 prompts[R.PROMPT_MASK],
                 self.params,
                 seed=batch_seed(self.seed, batch[R.SAMPLE_ID]),
+                **inflight,
             )
         except EngineDeadError as err:
             self._restart_or_fail(err)

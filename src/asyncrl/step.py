@@ -227,13 +227,33 @@ class StepResult:
 
 
 def sample_info(batch: Mapping[str, Any]) -> SampleInfo:
-    """Bookkeeping columns of a batch as the controllers' ``SampleInfo``."""
+    """Bookkeeping columns of a batch as the controllers' ``SampleInfo``.
+
+    ``version_first`` is the version of the sample's *oldest* valid token (the smaller of the
+    column and ``token_versions`` over ``completion_mask`` when the batch has them), so the head
+    lag that the consumption gate bounds bounds every token's lag: ``v - token_version <= v -
+    version_first <= S`` (DESIGN.md section 2, in-flight updates). An engine's versions only go
+    up along a row, so this is the column itself; the minimum makes the bound hold even if not."""
+    first = np.asarray(batch[R.VERSION_FIRST])
+    if R.TOKEN_VERSIONS in batch and R.COMPLETION_MASK in batch and len(first):
+        oldest = oldest_token_version(batch[R.TOKEN_VERSIONS], batch[R.COMPLETION_MASK], first)
+        if (oldest < first).any():
+            first = np.minimum(first, oldest).astype(first.dtype)
     return SampleInfo(
         sample_id=np.asarray(batch[R.SAMPLE_ID]),
         group_id=np.asarray(batch[R.GROUP_ID]),
-        version_first=np.asarray(batch[R.VERSION_FIRST]),
+        version_first=first,
         version_last=np.asarray(batch[R.VERSION_LAST]),
     )
+
+
+def oldest_token_version(token_versions: Any, mask: Any, default: np.ndarray) -> np.ndarray:
+    """[B] the smallest version over each row's valid tokens (``default`` for a row with none)."""
+    tv = np.asarray(token_versions.cpu() if isinstance(token_versions, torch.Tensor) else token_versions)
+    m = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask).astype(bool)
+    big = np.iinfo(np.int64).max
+    oldest = np.where(m, tv.astype(np.int64), big).min(axis=1)
+    return np.where(m.any(axis=1), oldest, np.asarray(default, dtype=np.int64))
 
 
 def split_minibatches(

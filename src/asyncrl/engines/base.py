@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -48,6 +48,12 @@ class RolloutEngine(Protocol):
     written before it still pass ``isinstance``; without it every block reports no fingerprint and
     a ``strict`` run fails at its first block, saying so. An engine that keeps state derived from
     the weights (merged adapters, a KV or prefix cache) must rebuild or reset it on every load.
+
+    In-flight updates (``pipeline.inflight_updates``): an engine that supports them takes a keyword
+    ``poll_weights`` (a ``WeightsPoll``) in ``generate`` and calls it between decode steps; after it
+    loads a newer version, the unfinished rows continue with the new weights and their later tokens
+    carry the new version in ``token_versions`` (versions never go down along a row). Engines
+    without the keyword are refused at build time when the setting is on.
     """
 
     name: str
@@ -90,6 +96,23 @@ class RolloutEngine(Protocol):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the learner's published weights; tokens generated from now on carry ``version``."""
         ...
+
+
+#: ``generate(..., poll_weights=...)`` (``pipeline.inflight_updates``): called by an engine between
+#: decode steps; returns ``(version, state_dict)`` of newer published weights for the engine to load
+#: (``load_weights``) before its next step, or None. The answer comes without waiting (a version
+#: check; the weights are fetched only when newer). A callback may also change the engine's
+#: version itself (``weights_updated``) and return None; the engine stamps every later token with
+#: whatever ``version`` holds after the call. It may raise ``EngineDeadError``.
+WeightsPoll = Callable[[], "tuple[int, Mapping[str, torch.Tensor]] | None"]
+
+
+def supports_inflight(engine: Any) -> bool:
+    """Whether ``engine`` (a class or an instance) takes ``generate(..., poll_weights=...)``."""
+    try:
+        return "poll_weights" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 #: what the pipeline calls on an engine class (``pipeline.engine``): check_supported in the driver,
@@ -199,7 +222,12 @@ def check_prompts(
 
 
 def pack_rollout(
-    draws: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor, *, version: int, mc_samples: int
+    draws: torch.Tensor,
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    version: int | torch.Tensor,
+    mc_samples: int,
 ) -> dict[str, torch.Tensor]:
     """Per-position draws -> the ``RolloutEngine.generate`` output dict.
 
@@ -207,7 +235,8 @@ def pack_rollout(
     generated token, ``k = max(mc_samples, 1)``; ``mask`` [B, T] bool. Padded slots must already
     hold the pad id and log-prob 0. Column 0 becomes ``completion_ids``/``behavior_logprobs``;
     for ``mc_samples > 0`` all k columns become ``mc_ids``/``mc_behavior_logprobs``; every token
-    is stamped with ``version`` (one call = one set of weights).
+    is stamped with ``version``: an int (one set of weights for the whole call) or a [B, T]
+    tensor of the version that produced each token (in-flight updates, ``WeightsPoll``).
 
     The columns are always fresh, normal tensors, even when the engine sampled under
     ``torch.inference_mode`` (``HFEngine.generate``): an inference tensor cannot be saved for
@@ -220,7 +249,11 @@ def pack_rollout(
             records.COMPLETION_IDS: draws[..., 0].clone(memory_format=torch.contiguous_format),
             records.COMPLETION_MASK: mask.clone(memory_format=torch.contiguous_format),
             records.BEHAVIOR_LOGPROBS: logprobs[..., 0].clone(memory_format=torch.contiguous_format),
-            records.TOKEN_VERSIONS: torch.full((B, T), int(version), dtype=torch.int32, device=mask.device),
+            records.TOKEN_VERSIONS: (
+                torch.full((B, T), int(version), dtype=torch.int32, device=mask.device)
+                if not isinstance(version, torch.Tensor)
+                else version.to(mask.device, torch.int32).clone(memory_format=torch.contiguous_format)
+            ),
         }
         if mc_samples > 0:
             out[records.MC_IDS] = draws.clone(memory_format=torch.contiguous_format)

@@ -28,7 +28,14 @@ from typing import Any, Literal
 import torch
 
 from asyncrl import records
-from asyncrl.engines.base import SamplingParams, check_prompts, check_version, checkpoint_dir, pack_rollout
+from asyncrl.engines.base import (
+    SamplingParams,
+    WeightsPoll,
+    check_prompts,
+    check_version,
+    checkpoint_dir,
+    pack_rollout,
+)
 from asyncrl.engines.llama_decode import LlamaDecoder, config_unsupported_reason, unsupported_reason
 from asyncrl.lora import (
     ADAPTER,
@@ -39,11 +46,13 @@ from asyncrl.lora import (
     lora_modules,
     policy_state,
 )
-from asyncrl.provenance import weights_fingerprint
+from asyncrl.provenance import same_elements, stale_fingerprint, weights_fingerprint
 from asyncrl.tied import drop_tied_duplicates, tied_aliases
 
 #: ``HFEngine(decode=...)`` / ``pipeline.engine_options.decode``
 DECODE_CHOICES = ("auto", "fast", "hf")
+#: ``HFEngine(inflight_kv=...)`` / ``pipeline.engine_options.inflight_kv``
+INFLIGHT_KV_CHOICES = ("recompute", "keep")
 
 
 class HFEngine:
@@ -67,6 +76,26 @@ class HFEngine:
         lora_merge: apply each adapter version merged into the base weights (default; the fast decode
             path runs, and every load rebuilds the merged weights from a kept copy of the base, so
             nothing of an older version survives) or unmerged (peft's adapter forward, ``decode="hf"``).
+        inflight_kv: what happens to the KV cache of the already generated prefix when newer
+            weights arrive mid-rollout (``generate(poll_weights=...)``, ``pipeline.inflight_updates``):
+            ``"recompute"`` (default) rebuilds it with the new weights in one prefill of prompt +
+            prefix, so every later token is sampled from exactly the version it is stamped with
+            (pi_v(. | prefix)) and nothing derived from older weights survives a load; ``"keep"``
+            (PipelineRL / AReaL) continues on the old K/V, so a later token's distribution mixes the
+            prefix's versions (its behavior log-prob is still the exact sampling probability, so
+            importance ratios stay exact). Measured on the tiny pair (docs in
+            ``/tmp/benchmarks_inflight.md`` -> BENCHMARKS.md "In-flight updates"): the two differ in
+            KL(behavior || current) by less than the run-to-run noise, and a recompute costs one
+            prefill per switch; recompute is the default because it keeps the version stamp and the
+            provenance fingerprint exact (no stale derived state).
+
+    In-flight switch: between decode steps ``generate`` asks ``poll_weights`` (every
+    ``poll_every`` steps); on newer weights it loads them (``load_weights``: the fingerprint is
+    taken afresh), re-gathers the fast decoder's fused weight copies (``LlamaDecoder.reload``),
+    checks that the copies equal the live parameters (a decoder that kept stale copies gets a
+    fingerprint matching no version, which the learner's provenance check refuses loudly), then
+    recomputes or keeps the prefix's K/V (``inflight_kv``) and stamps later tokens with the new
+    version. Finished rows are unaffected (their later slots are padding).
 
     ``fingerprints``: version -> fingerprint of the weights this engine held at that version
     (``asyncrl.provenance``), computed from its own model after every load.
@@ -84,7 +113,11 @@ class HFEngine:
         decode: Literal["auto", "fast", "hf"] = "auto",
         lora: LoRAConfig | Mapping[str, Any] | None = None,
         lora_merge: bool = True,
+        inflight_kv: Literal["recompute", "keep"] = "recompute",
     ) -> None:
+        if inflight_kv not in INFLIGHT_KV_CHOICES:
+            raise ValueError(f"HFEngine inflight_kv={inflight_kv!r}: use 'recompute' or 'keep'")
+        self.inflight_kv = inflight_kv
         if decode not in DECODE_CHOICES:
             raise ValueError(f"HFEngine decode={decode!r}: use 'auto', 'fast' or 'hf'")
         if lora is not None and is_lora(model):
@@ -155,6 +188,7 @@ class HFEngine:
         decode: Literal["auto", "fast", "hf"] = "auto",
         lora: LoRAConfig | Mapping[str, Any] | None = None,
         lora_merge: bool = True,
+        inflight_kv: Literal["recompute", "keep"] = "recompute",
     ) -> HFEngine:
         """Load model + tokenizer from an HF checkpoint directory on local disk (no hub access).
         With ``lora`` the checkpoint is the base and the engine loads adapter versions (``HFEngine``).
@@ -184,7 +218,15 @@ class HFEngine:
             raise FileNotFoundError(
                 f"{str(p)!r} has no loadable tokenizer ({err}); save one with tokenizer.save_pretrained(dir)"
             ) from err
-        return cls(model, tokenizer, version=version, decode=decode, lora=lora, lora_merge=lora_merge)
+        return cls(
+            model,
+            tokenizer,
+            version=version,
+            decode=decode,
+            lora=lora,
+            lora_merge=lora_merge,
+            inflight_kv=inflight_kv,
+        )
 
     @classmethod
     def check_supported(cls, path: str | Path | None, params: SamplingParams, **options: Any) -> None:
@@ -195,6 +237,9 @@ class HFEngine:
         decode = options.get("decode", "auto")
         if decode not in DECODE_CHOICES:
             raise ValueError(f"pipeline.engine_options.decode={decode!r}: use 'auto', 'fast' or 'hf'")
+        kv = options.get("inflight_kv", "recompute")
+        if kv not in INFLIGHT_KV_CHOICES:
+            raise ValueError(f"pipeline.engine_options.inflight_kv={kv!r}: use 'recompute' or 'keep'")
         if options.get("lora") is not None and decode == "fast" and not options.get("lora_merge", True):
             raise ValueError(
                 "pipeline.engine_options.decode='fast' runs merged weights only, and lora_merge=false "
@@ -276,6 +321,8 @@ class HFEngine:
         params: SamplingParams,
         *,
         seed: int,
+        poll_weights: WeightsPoll | None = None,
+        poll_every: int = 1,
     ) -> dict[str, torch.Tensor]:
         """Sample completions for left-padded prompts ``[B, P]``; see the module docstring.
 
@@ -283,8 +330,12 @@ class HFEngine:
         ``behavior_logprobs`` [B, T] float32, ``token_versions`` [B, T] int32 and, for
         ``m = params.mc_samples > 0``, ``mc_ids`` [B, T, m] int64 and ``mc_behavior_logprobs``
         [B, T, m] float32, where ``T <= params.max_new_tokens`` is the longest completion.
-        One call uses one set of weights, so ``token_versions`` is ``self.version`` everywhere
-        (padding included). Padded positions hold the pad id and log-probability 0.
+        Without ``poll_weights`` one call uses one set of weights, so ``token_versions`` is
+        ``self.version`` everywhere (padding included). With it (in-flight updates, class
+        docstring) the callback is asked after every ``poll_every``-th token, and each token carries
+        the version whose weights computed its distribution; a padded slot carries the version of
+        the step that padded it. Padded positions hold the pad id and log-probability 0. The draws
+        do not depend on when a switch happens except through the logits (one generator stream).
         """
         device = _device_of(self.model)
         limit = ("the model's max_position_embeddings", self.max_positions)
@@ -304,6 +355,12 @@ class HFEngine:
 
         dec = LlamaDecoder(self._decode_model) if self.decode_path == "fast" else _ModelDecoder(self)
         logits = dec.start(prompt_ids, prompt_mask, records.position_ids(prompt_mask), N)
+        if poll_weights is not None and poll_every < 1:
+            raise ValueError(f"poll_every must be >= 1 decode steps, got {poll_every}")
+        # token t's version: the weights that computed the logits it was drawn from
+        versions = None
+        if poll_weights is not None:
+            versions = torch.full((B, N), self._version, dtype=torch.int32, device=device)
         T = 0
         for t in range(N):
             draws, logp = _draw(logits, params.temperature, k, gen)  # [B, k], [B, k]
@@ -316,11 +373,40 @@ class HFEngine:
             T = t + 1
             if t == N - 1 or bool(finished.all()):
                 break
+            if poll_weights is not None and (t + 1) % poll_every == 0 and self._poll(poll_weights, dec):
+                versions[:, t + 1 :] = self._version  # type: ignore[index]
+                if self.inflight_kv == "recompute":  # K/V of prompt + tokens 0..t with the new weights
+                    logits = dec.recompute(draws_out[:, : t + 1, 0])
+                    continue
             logits = dec.step(draws[:, 0], t)
 
-        return pack_rollout(
-            draws_out[:, :T], logp_out[:, :T], mask[:, :T], version=self._version, mc_samples=m
-        )
+        version: int | torch.Tensor = self._version if versions is None else versions[:, :T]
+        return pack_rollout(draws_out[:, :T], logp_out[:, :T], mask[:, :T], version=version, mc_samples=m)
+
+    def _poll(self, poll_weights: WeightsPoll, dec: LlamaDecoder | _ModelDecoder) -> bool:
+        """Ask for newer weights mid-rollout and switch to them (class docstring); True if the
+        version changed. A fast decoder re-gathers its fused copies and is checked against the live
+        parameters: if a copy is stale, the version's fingerprint is made to match no published
+        weights, so the learner's provenance check fails naming this engine."""
+        before = self._version
+        got = poll_weights()
+        if got is not None:
+            version, state = got
+            self.load_weights(state, version)
+        if self._version == before:
+            return False
+        if isinstance(dec, LlamaDecoder):
+            self._reload_decoder(dec)
+            stale = sum(not same_elements(live, held) for live, held in dec.held_weights())
+            if stale:
+                v = self._version
+                self.fingerprints[v] = stale_fingerprint(self.fingerprints[v], stale)
+        return True
+
+    def _reload_decoder(self, dec: LlamaDecoder) -> None:
+        """Re-gather the fast decoder's copies of the weights just loaded (a seam for tests that
+        inject an engine keeping stale derived state)."""
+        dec.reload()
 
 
 class _ModelDecoder:
@@ -343,11 +429,21 @@ class _ModelDecoder:
         self._attn[:, :P] = prompt_mask
         self._P = P
         self._next_pos = prompt_mask.sum(1, keepdim=True)  # [B, 1]: first completion position
+        self._prompt = (prompt_ids, positions)  # for ``recompute``
         self._cache = _new_cache(self.model)
         return self._forward(prompt_ids, self._attn[:, :P], positions)
 
     def step(self, token_ids: torch.Tensor, t: int) -> torch.Tensor:
         return self._forward(token_ids.reshape(-1, 1), self._attn[:, : self._P + t + 1], self._next_pos + t)
+
+    def recompute(self, generated: torch.Tensor) -> torch.Tensor:
+        """``LlamaDecoder.recompute``: a fresh cache filled by one forward over prompt + ``generated``."""
+        prompt_ids, positions = self._prompt
+        n = generated.shape[1]
+        ids = torch.cat([prompt_ids, generated.to(prompt_ids.dtype)], 1)
+        pos = torch.cat([positions, self._next_pos + torch.arange(n, device=ids.device)], 1)
+        self._cache = _new_cache(self.model)
+        return self._forward(ids, self._attn[:, : self._P + n], pos)
 
     def _forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor

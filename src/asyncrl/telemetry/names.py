@@ -26,6 +26,11 @@ TIME_S = "time_s"
 LOSS = "loss"
 LAG_MEAN = "staleness/lag_mean"
 LAG_MAX = "staleness/lag_max"
+#: the largest lag of any trained token (learner version - the version that produced the token);
+#: with in-flight updates tokens of one sample differ, and each is <= the sample's head lag
+TOKEN_LAG_MAX = "staleness/token_lag_max"
+#: prefix of the trained tokens' count per lag bucket: ``staleness/token_lag_hist/<bucket>``
+TOKEN_LAG_HIST = "staleness/token_lag_hist"
 #: samples dropped at consumption in this step because their lag exceeded max_lag
 DROPPED = "staleness/dropped"
 #: the learner's ESS fraction rho = (sum w)^2 / (N sum w^2) of the unclipped sequence importance
@@ -276,6 +281,8 @@ __all__ = [
     "TENSORBOARD_DIR",
     "TIME_S",
     "TOKENS",
+    "TOKEN_LAG_HIST",
+    "TOKEN_LAG_MAX",
     "VERSION",
     "active_key",
     "bucket_key",

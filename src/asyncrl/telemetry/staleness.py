@@ -27,7 +27,7 @@ import torch
 
 from asyncrl.controllers.functional import ess_fraction
 from asyncrl.logratio import kl_qp_k1, kl_qp_k3, masked_mean, masked_token_log_ratio, sequence_log_ratio
-from asyncrl.telemetry.names import bucket_key
+from asyncrl.telemetry.names import TOKEN_LAG_HIST, bucket_key
 
 LAG_BUCKETS: tuple[str, ...] = ("0", "1", "2", "3-4", "5-8", "9-16", "17+")
 #: smallest lag of each bucket in LAG_BUCKETS
@@ -114,6 +114,45 @@ def sample_lags(version_first: Any, version_last: Any, learner_version: int) -> 
         "lag_in_flight": vl - vf,
         "lag_in_queue": learner_version - vl,
     }
+
+
+#: samples.parquet columns of the token-level lag distribution (``token_lag_columns``)
+TOKEN_LAG_MIN, TOKEN_LAG_MAX, TOKEN_LAG_MEAN = "token_lag_min", "token_lag_max", "token_lag_mean"
+TOKEN_LAG_COUNTS = "token_lag_counts"
+
+
+def token_lag_columns(token_versions: Any, mask: Any, learner_version: int) -> dict[str, np.ndarray]:
+    """Per sample, the lags ``learner_version - token_version`` of its valid tokens (in-flight
+    updates make them differ along a row): ``token_lag_min`` / ``token_lag_max`` (int, -1 for a
+    sample with no valid token), ``token_lag_mean`` (float, NaN then) and ``token_lag_counts``, an
+    object array of per-sample int64 [len(LAG_BUCKETS)] token counts per lag bucket (a list column
+    in samples.parquet; ``token_lag_histogram`` sums them). ``token_lag_max`` is the head lag."""
+    tv, m = _np(token_versions).astype(np.int64), _np(mask).astype(bool)
+    lag = learner_version - tv  # [B, T]
+    if (lag[m] < 0).any():
+        raise ValueError(
+            f"token versions above the learner version {learner_version}: versions must come from the "
+            f"learner's counter"
+        )
+    n = m.sum(1)
+    some = n > 0
+    big = np.iinfo(np.int64).max
+    lo = np.where(some, np.where(m, lag, big).min(1), -1)
+    hi = np.where(some, np.where(m, lag, -1).max(1), -1)
+    mean = np.where(some, np.where(m, lag, 0).sum(1) / np.maximum(n, 1), np.nan)
+    idx = np.searchsorted(np.asarray(BUCKET_LOWER), np.maximum(lag, 0), side="right") - 1  # [B, T]
+    counts = np.empty(len(tv), dtype=object)
+    for i in range(len(tv)):
+        counts[i] = np.bincount(idx[i][m[i]], minlength=len(LAG_BUCKETS)).astype(np.int64)
+    return {TOKEN_LAG_MIN: lo, TOKEN_LAG_MAX: hi, TOKEN_LAG_MEAN: mean, TOKEN_LAG_COUNTS: counts}
+
+
+def token_lag_histogram(counts: Any, prefix: str = TOKEN_LAG_HIST) -> dict[str, float]:
+    """Token count of every lag bucket (zeros included) summed over samples' ``token_lag_counts``:
+    ``<prefix>/<label>``."""
+    rows = [np.asarray(c, dtype=np.int64) for c in counts]
+    total = np.sum(rows, axis=0) if rows else np.zeros(len(LAG_BUCKETS), dtype=np.int64)
+    return {f"{prefix}/{label}": float(c) for label, c in zip(LAG_BUCKETS, total)}
 
 
 def per_sample_kl(

@@ -23,7 +23,7 @@ from asyncrl import records as R
 from asyncrl.collectives import Collectives
 from asyncrl.controllers.functional import ess_fraction
 from asyncrl.telemetry import names as N
-from asyncrl.telemetry.staleness import per_bucket
+from asyncrl.telemetry.staleness import TOKEN_LAG_COUNTS, per_bucket, token_lag_columns, token_lag_histogram
 
 if TYPE_CHECKING:
     from asyncrl.checkpoint import Restored
@@ -95,6 +95,8 @@ def sample_rows(batch: Mapping[str, Any], result: Any, version: int, step: int) 
         **result.samples,
     }
     rows.update({k: np.asarray(batch[k]) for k in BATCH_EXTRAS if k in batch})
+    if R.TOKEN_VERSIONS in batch:  # the token-level lag distribution (in-flight updates)
+        rows.update(token_lag_columns(batch[R.TOKEN_VERSIONS], mask, version))
     # the ledger per sample: a non-finite step trained nothing, so its samples count as dropped
     passed = np.asarray(result.samples["kept"]).astype(bool)
     rows["kept"] = passed & (not result.nonfinite)
@@ -131,6 +133,9 @@ def bucket_metrics(rows: Mapping[str, np.ndarray]) -> dict[str, float]:
             out.update(per_bucket(rows[name][kept], lags, name=name))
     out.update(per_bucket(np.ones(int(kept.sum())), lags, name="n", reduce="sum"))
     out.update(per_bucket(rows["seq_log_ratio"][kept], lags, reduce=_ess, name="ess"))
+    if TOKEN_LAG_COUNTS in rows:  # trained tokens per token-lag bucket, and their largest lag
+        out.update(token_lag_histogram(rows[TOKEN_LAG_COUNTS][kept]))
+        out[N.TOKEN_LAG_MAX] = float(np.max(rows["token_lag_max"][kept]))
     return out
 
 

@@ -1,0 +1,106 @@
+"""In-flight weight updates (``pipeline.inflight_updates``): throughput, learner idle fraction,
+token-lag distribution and KL(behavior || current), with and without them, and with the HF
+engine's two KV-cache policies for the generated prefix (``engine_options.inflight_kv``).
+
+Per variant one pipeline run (same seed, same config otherwise); figures come from what the run
+wrote (metrics.jsonl, samples.parquet), steady state = steps after the first two:
+
+- ``samples/s``, ``tokens/s``: trained samples / completion tokens per second of learner time;
+- ``idle``: the learner's mean idle fraction (``throughput/learner_idle_frac``: waiting for data);
+- ``span``: the fraction of trained samples whose tokens come from more than one version;
+- ``tok_lag``: trained tokens per lag bucket (``token_lag_counts``);
+- ``kl_all`` / ``kl_span``: mean per-sample KL(behavior || current) (k3, ``kl_behavior_current``)
+  over all trained samples / over those spanning versions: the spanning samples are where the
+  KV-cache policy can make a difference (keep: later tokens sampled on a prefix K/V of older
+  weights; recompute: exactly the new version's distribution).
+
+    python benchmarks/inflight.py --preset tiny --steps 16 --max-lag 2            # quick (CPU)
+    python benchmarks/inflight.py --config examples/configs/opd_smollm2.yaml --steps 8 --max-lag 1 2 4
+
+Writes a JSON line per variant to ``--out`` (default: print only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from asyncrl.config import load_config
+from asyncrl.pipeline import run
+from asyncrl.telemetry import names as N
+from asyncrl.telemetry.sinks import read_metrics
+from asyncrl.telemetry.staleness import LAG_BUCKETS
+from asyncrl.telemetry.summary import read_samples
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "off": ["pipeline.inflight_updates=false"],
+    "recompute": ["pipeline.inflight_updates=true", "pipeline.engine_options.inflight_kv=recompute"],
+    "keep": ["pipeline.inflight_updates=true", "pipeline.engine_options.inflight_kv=keep"],
+}
+
+
+def figures(run_dir: Path, warmup: int = 2) -> dict[str, object]:
+    """The variant's figures (module docstring) from its run directory."""
+    steps = [m for m in read_metrics(run_dir) if "loss" in m]
+    steady = steps[warmup:] or steps
+    wall = sum(m["time/step_s"] for m in steady)
+    s = read_samples(run_dir)
+    kept = s[s["kept"]]
+    late = kept[kept["learner_version"] >= steady[0]["step"] - 1]
+    span = kept["version_last"] > kept["version_first"]
+    counts = np.stack(kept["token_lag_counts"].to_numpy()).sum(0)
+    return {
+        "samples_per_s": len(late) / wall,
+        "tokens_per_s": float(late["completion_len"].sum()) / wall,
+        "idle": float(np.mean([m[N.LEARNER_IDLE_FRAC] for m in steady])),
+        "span": float(span.mean()),
+        "tok_lag": {b: int(c) for b, c in zip(LAG_BUCKETS, counts) if c},
+        "kl_all": float(kept["kl_behavior_current"].mean()),
+        "kl_span": float(kept.loc[span, "kl_behavior_current"].mean()) if span.any() else None,
+        "token_lag_max": int(kept["token_lag_max"].max()),
+        "final_loss": steps[-1]["loss"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "opd_tiny.yaml"))
+    ap.add_argument("--preset", default=None, help="workload.preset override (e.g. tiny)")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--max-lag", type=int, nargs="+", default=[2])
+    ap.add_argument("--generators", type=int, default=2)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="asyncrl-inflight-"))
+    for S in args.max_lag:
+        for name in args.variants:
+            overrides = [
+                f"run_dir={root / f'S{S}-{name}'}",
+                f"train.steps={args.steps}",
+                f"pipeline.max_lag={S}",
+                f"pipeline.generators={args.generators}",
+                "train.eval_every=0",
+                "train.checkpoint_every=0",
+                "telemetry.progress=false",
+                "telemetry.tensorboard=false",
+                *(["workload.preset=" + args.preset] if args.preset else []),
+                *VARIANTS[name],
+                *args.set,
+            ]
+            result = run(load_config(args.config, overrides))
+            row = {"max_lag": S, "variant": name, **figures(result.run_dir)}
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
