@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from integration_tests.conftest import CACHE, REPO
 
 pytestmark = pytest.mark.ray

@@ -50,14 +50,18 @@ def test_task_split_without_prompt_files_or_teacher(models: ModelPaths, tmp_path
     assert plan.kind == "exact_match" and plan.examples == TASK_EXAMPLES
 
 
-def test_held_out_prompts_without_answers_are_evaluated_by_agreement(models: ModelPaths, tmp_path: Path) -> None:
+def test_held_out_prompts_without_answers_are_evaluated_by_agreement(
+    models: ModelPaths, tmp_path: Path
+) -> None:
     ev = _jsonl(tmp_path / "e.jsonl", [{"prompt": "abc"}, {"prompt": "de"}, {"prompt": "not read"}])
     plan = eval_plan(_cfg(eval_prompts_path=ev), models, TASK_EXAMPLES)
     assert plan.kind == "agreement" and plan.note is None
     assert plan.prompt_ids == prompt_token_ids(TOK, ["abc", "de"])  # the first train.eval_size rows
 
 
-def test_training_prompts_without_answers_get_agreement_and_a_note(models: ModelPaths, tmp_path: Path) -> None:
+def test_training_prompts_without_answers_get_agreement_and_a_note(
+    models: ModelPaths, tmp_path: Path
+) -> None:
     f = _jsonl(tmp_path / "p.jsonl", [{"prompt": "abc"}, {"prompt": "de"}])
     plan = eval_plan(_cfg(prompts_path=f), models, TASK_EXAMPLES)
     assert plan.kind == "agreement" and "workload.eval_prompts_path" in plan.note

@@ -331,3 +331,23 @@ def test_engines_state_whether_they_update_in_flight() -> None:
         VLLMEngine.check_supported(None, PARAMS, inflight_updates=True)
     with pytest.raises(ValueError, match="inflight_kv"):
         HFEngine.check_supported(None, PARAMS, inflight_kv="flush")
+
+
+def test_the_plan_refuses_inflight_updates_for_an_engine_that_cannot_poll() -> None:
+    from pathlib import Path
+
+    from asyncrl.config import load_config
+    from asyncrl.plan import check_components
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def config(*overrides: str):
+        return load_config(repo / "examples" / "configs" / "opd_tiny.yaml", list(overrides))
+
+    check_components(config("pipeline.inflight_updates=true"), None)  # hf: polls between steps
+    user = "pipeline.engine=test_engine_dotted:FakeEngine"  # generate(..., *, seed) only
+    check_components(config(user), None)
+    with pytest.raises(ConfigError, match=r"takes no generate\(\.\.\., poll_weights=\.\.\.\)"):
+        check_components(config(user, "pipeline.inflight_updates=true"), None)
+    with pytest.raises(ConfigError, match="colocate"):
+        config("pipeline.inflight_updates=true", "pipeline.colocate=true")

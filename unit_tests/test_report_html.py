@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import base64
+import json
 import os
 import re
 import shutil
@@ -103,9 +102,16 @@ def write_fake_run(
     if optional:  # the agreement eval (prompts without answers): RUN/evals.jsonl, by version
         with open(path / names.EVAL_FILE, "w") as f:
             for step in range(0, steps + 1, 4):
-                agreement = {"kl_reverse": 8.0 / (1 + step), "kl_forward": 9.0 / (1 + step),
-                             "top1_agree": 0.1 + 0.02 * step, "teacher_nll": 5.0, "rouge_l": 0.01 * step}
-                f.write(json.dumps({"step": step, "metrics": agreement, "seconds": 1.0, "samples": []}) + "\n")
+                agreement = {
+                    "kl_reverse": 8.0 / (1 + step),
+                    "kl_forward": 9.0 / (1 + step),
+                    "top1_agree": 0.1 + 0.02 * step,
+                    "teacher_nll": 5.0,
+                    "rouge_l": 0.01 * step,
+                }
+                f.write(
+                    json.dumps({"step": step, "metrics": agreement, "seconds": 1.0, "samples": []}) + "\n"
+                )
     if summary:
         writer.write_summary(
             {

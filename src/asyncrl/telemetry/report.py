@@ -232,9 +232,7 @@ def _panel_lag_hist(runs: Sequence[RunRecords]) -> Figure | None:
 def _panel_token_lag(runs: Sequence[RunRecords]) -> Figure | None:
     """Trained tokens per lag bucket (samples.parquet ``token_lag_counts`` of kept samples): with
     in-flight updates a sample's tokens come from several versions, each lag <= the head lag."""
-    present = [
-        (i, r) for i, r in enumerate(runs) if r.samples is not None and TOKEN_LAG_COUNTS in r.samples
-    ]
+    present = [(i, r) for i, r in enumerate(runs) if r.samples is not None and TOKEN_LAG_COUNTS in r.samples]
     if not present:
         return None
     fig = Figure(figsize=(6.5, 3.2), layout="constrained")
