@@ -135,7 +135,8 @@ The core-limit rows (``--cores``, default: this machine's, 2 here) come from ``s
 (stages alone in one process, one thread each) for the two caches the systems use: the throughput
 perfect overlap could reach. TRL's own ``train_samples_per_second`` and the pipeline summary's
 ``samples_per_s`` are kept in the JSON as cross-checks.
-Every number printed is measured.
+A child that fails (its log is named) is left out of the table and listed under it; the script
+then exits 1 (the reference ``trl`` failing ends it: no ratios). Every number printed is measured.
 """
 
 from __future__ import annotations
@@ -1220,13 +1221,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"[vs_trl] stage times, initial accuracy, parity ({out_dir / 'stages.log'})", flush=True)
         stages = launch(spec("stages", "stages"), out_dir / "stages.log")
         per_round: dict[str, list[dict[str, float]]] = {s: [] for s in args.systems}
+        failed: dict[str, list[str]] = {}
         for r in range(args.rounds):
             order = args.systems[r % len(args.systems) :] + args.systems[: r % len(args.systems)]
             for system in order:
                 tag = f"{system}-r{r}"
                 # round r runs seed r (prompt order and sampling; the pretrained pair stays seed 0):
                 # a run is deterministic given its seed, so repeating one seed measures no training variance
-                res = launch(spec(system, tag, seed=r), out_dir / f"{tag}.log")
+                try:
+                    res = launch(spec(system, tag, seed=r), out_dir / f"{tag}.log")
+                except SystemExit as err:  # one failed child (a crash, the machine): the others still count
+                    failed.setdefault(system, []).append(f"round {r + 1}: {str(err).splitlines()[0]}")
+                    print(f"[vs_trl] round {r + 1}/{args.rounds} {system}: FAILED ({err})", flush=True)
+                    continue
                 fig = figures(res, args.skip)
                 extra = (
                     "summary_samples_per_s",
@@ -1263,6 +1270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 shutil.rmtree(scratch / tag, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    per_round = {s: rows for s, rows in per_round.items() if rows}
     medians = {
         s: {
             k: statistics.median(f[k] for f in rows)
@@ -1284,8 +1292,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rounds": per_round,
         "medians": medians,
         "stages": stages,
+        "failed": failed,
     }
+    if REFERENCE not in medians:
+        (out_dir / "vs_trl.json").write_text(json.dumps(report, indent=2))
+        raise SystemExit(f"vs_trl: the reference {REFERENCE!r} failed: no ratios; JSON in {out_dir}")
     table = markdown(report)
+    if failed:
+        table += "\n\nFailed (left out above): " + "; ".join(
+            f"`{n}` ({'; '.join(msgs)})" for n, msgs in failed.items()
+        )
     (out_dir / "vs_trl.json").write_text(json.dumps(report, indent=2))
     (out_dir / "vs_trl.md").write_text(table + "\n")
     print(
@@ -1298,4 +1314,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(1 if main(sys.argv[1:]).get("failed") else 0)

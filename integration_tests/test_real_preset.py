@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from integration_tests.conftest import CACHE, REPO
+from conftest import CACHE, REPO
 
 pytestmark = pytest.mark.ray
 

@@ -19,6 +19,7 @@ Importing this module never imports peft; the functions that build or read adapt
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,10 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig | Mapping[str, Any], *, 
     from peft import get_peft_model
 
     cfg = as_config(lora)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft 0.21 asks transformers 5.24 for `is_gradient_checkpointing`, which warns that it is
+        # deprecated: a note between the two libraries, printed by every process that wraps a model
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, cfg.peft_config())
     return peft_model
