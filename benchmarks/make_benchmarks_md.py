@@ -172,6 +172,28 @@ BENCHES = [
         [],
         ["--preset", "tiny", "--repeats", "3"],
     ),
+    Bench(
+        "real_demo",
+        "The real demo: `asyncrl demo --preset smollm2` (sync and async OPD on SmolLM2-135M-Instruct)",
+        "real_demo.py",
+        [],
+        ["--steps", "4", "train.eval_every=2", "train.eval_size=4"],
+        uses_cache=True,
+    ),
+    Bench(
+        "lora_publication",
+        "LoRA weight publication (adapters only) vs full weights",
+        "lora_publication.py",
+        ["--preset", "small", "--r", "8", "--repeats", "20"],
+        ["--preset", "tiny", "--r", "8", "--repeats", "3"],
+    ),
+    Bench(
+        "inflight",
+        "In-flight weight updates (benchmarks/inflight.py)",
+        "inflight.py",
+        ["--steps", "16", "--max-lag", "2", "--set", "sampling.max_new_tokens=24"],
+        ["--steps", "6", "--max-lag", "2"],
+    ),
 ]
 
 
