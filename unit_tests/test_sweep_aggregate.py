@@ -207,7 +207,7 @@ def test_aggregate_writes_tables_plots_and_report(study) -> None:
         assert data.startswith(PNG) and len(data) > 5000
     page = out.report.read_text()
     images = [base64.b64decode(m) for m in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)]
-    assert len(images) == 3 + 10  # the sweep's plots + the 10 run panels over the first seed of 6 settings
+    assert len(images) == 3 + 12  # the sweep's plots + the 12 run panels over the first seed of 6 settings
     assert all(img.startswith(PNG) for img in images)
     assert "not recorded: never/logged" in page  # a requested curve no run logged says so
     assert "0.41 ± 0.01 (n=3)" in page  # rkl at lag 2, in the table over seeds

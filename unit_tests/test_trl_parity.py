@@ -136,8 +136,9 @@ def test_vs_trl_prompts_trl_with_asyncrl_prompt_ids(kind: str, tmp_path) -> None
     tok = TOK if kind == "char" else qwen_tokenizer()
     prompts = _addition_prompts(4)
     rows = vs_trl.trl_rows(tok, prompts)
-    vs_trl.check_trl_prompts(_trl_trainer(tok, rows, tmp_path), tok, rows, prompts)
+    ours = prompt_token_ids(tok, prompts)
+    vs_trl.check_trl_prompts(_trl_trainer(tok, rows, tmp_path), rows, ours)
     if kind == "qwen":
         assert prompt_token_ids(tok, prompts[:1])[0][0] == tok.convert_tokens_to_ids("<|im_start|>")
         with pytest.raises(SystemExit, match="TRL tokenizes prompt 0"):
-            vs_trl.check_trl_prompts(_trl_trainer(tok, prompts, tmp_path), tok, prompts, prompts)
+            vs_trl.check_trl_prompts(_trl_trainer(tok, prompts, tmp_path), prompts, ours)

@@ -60,6 +60,11 @@ import torch
 SAMPLE_PER_TENSOR = 256
 #: ``weights_fingerprint`` of an engine that computes none
 NO_FINGERPRINT = 0
+#: what a block carries from an engine that keeps no ``fingerprints`` at all (a user engine written
+#: before provenance): its samples cannot be checked, so they are counted ``provenance/unchecked``
+#: (with one warning per engine) instead of failing the run; an engine that keeps fingerprints but
+#: none for a version it stamped is a mismatch
+NOT_REPORTED = -1
 #: dtypes an engine may hold the learner's fp32 weights in (rounded elementwise)
 ENGINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -120,7 +125,7 @@ def fingerprint(samples: Mapping[str, torch.Tensor], dtype: torch.dtype | None =
         h.update(str(v.dtype).encode())
         h.update(v.contiguous().view(_INT_VIEW[v.element_size()]).numpy().tobytes())
     value = int.from_bytes(h.digest(), "little", signed=True)
-    return value if value != NO_FINGERPRINT else 1
+    return value if value not in (NO_FINGERPRINT, NOT_REPORTED) else 1
 
 
 def weights_fingerprint(state: Mapping[str, torch.Tensor]) -> int:
@@ -148,7 +153,7 @@ def stale_fingerprint(fp: int, n_stale: int) -> int:
     learner's check refuses the samples loudly instead of training on what the copies held."""
     h = hashlib.blake2b(np.asarray([fp, n_stale, 0x57A1E], dtype=np.int64).tobytes(), digest_size=8)
     value = int.from_bytes(h.digest(), "little", signed=True)
-    return value if value != NO_FINGERPRINT else 1
+    return value if value not in (NO_FINGERPRINT, NOT_REPORTED) else 1
 
 
 def combine(fingerprints: Iterable[int]) -> int:
@@ -161,7 +166,7 @@ def combine(fingerprints: Iterable[int]) -> int:
         return NO_FINGERPRINT
     h = hashlib.blake2b(np.asarray(fps, dtype=np.int64).tobytes(), digest_size=8)
     value = int.from_bytes(h.digest(), "little", signed=True)
-    return value if value != NO_FINGERPRINT else 1
+    return value if value not in (NO_FINGERPRINT, NOT_REPORTED) else 1
 
 
 def row_versions(
@@ -191,6 +196,7 @@ class ProvenanceCheck:
         self.keep = max(int(keep), 1)
         self._samples: dict[int, dict[str, torch.Tensor]] = {}
         self._hashes: dict[tuple[int, torch.dtype], int] = {}
+        self._warned: set[str] = set()  # engines already named for keeping no fingerprints
 
     def record(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """The learner's weights at ``version`` (what it publishes, or its model's own tensors)."""
@@ -251,6 +257,18 @@ class ProvenanceCheck:
         checked = unchecked = mismatched = 0
         oldest = min(self._samples) if self._samples else None
         for (vs, fp, engine), n in groups.items():
+            if fp == NOT_REPORTED:
+                unchecked += n
+                if engine not in self._warned:
+                    self._warned.add(engine)
+                    print(
+                        f"asyncrl: WARNING engine {engine} keeps no weight fingerprints: provenance is not "
+                        f"checked for its samples (give it a `fingerprints` mapping, see "
+                        f"asyncrl.engines.RolloutEngine)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                continue
             if fp == NO_FINGERPRINT:
                 ok: bool | None = False
             else:
@@ -300,6 +318,7 @@ class ProvenanceCheck:
 
 __all__ = [
     "MODES",
+    "NOT_REPORTED",
     "NO_FINGERPRINT",
     "ProvenanceCheck",
     "ProvenanceError",

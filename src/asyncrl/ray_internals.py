@@ -482,6 +482,14 @@ def filter_worker_logs(select: Callable[[dict[str, Any]], list[str]]) -> bool:
     dispatcher is not as expected keeps Ray's own printing (one ``RayPatchSkipped`` warning).
     Returns True when the filter is installed."""
     if not active("log_filter"):
+        try:  # stock printing: drop a filter an earlier ray.init of this process left behind
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+            names = [name for name, _ in dispatcher.handlers]
+            if FILTER_HANDLER in names and RAY_HANDLER in names:
+                dispatcher.remove_handler(FILTER_HANDLER)
+        except Exception:
+            pass
         return False
     try:
         from ray._private import worker as ray_worker

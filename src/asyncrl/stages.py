@@ -32,7 +32,7 @@ from asyncrl.coordinator import CoordinatorError, LocalWeights, PolicyStoreClien
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
 from asyncrl.faults import NO_FAULTS, Faults
-from asyncrl.provenance import NO_FINGERPRINT, combine, row_versions
+from asyncrl.provenance import NO_FINGERPRINT, NOT_REPORTED, combine, row_versions
 from asyncrl.records import pad_to
 from asyncrl.registry import RegistryError
 
@@ -65,9 +65,11 @@ def sample_fingerprints(
 ) -> np.ndarray:
     """Per sample, the fingerprint of the weights its tokens came from, as the engine measured them
     after loading (``engine.fingerprints``: version -> fingerprint; ``asyncrl.provenance``), combined
-    over the versions of its tokens; ``NO_FINGERPRINT`` from an engine that keeps none."""
-    fps = getattr(engine, "fingerprints", None) or {}
+    over the versions of its tokens; ``NOT_REPORTED`` from an engine that keeps none at all."""
+    fps = getattr(engine, "fingerprints", None)
     rows = row_versions(versions.numpy(), mask.numpy(), first.numpy())
+    if fps is None:
+        return np.full(len(rows), NOT_REPORTED, dtype=np.int64)
     memo: dict[tuple[int, ...], int] = {}
     out = np.empty(len(rows), dtype=np.int64)
     for i, vs in enumerate(rows):

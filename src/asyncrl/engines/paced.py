@@ -113,6 +113,11 @@ class PacedEngine:
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self.inner.load_weights(state_dict, version)
 
+    @property
+    def fingerprints(self) -> Any:
+        """The inner engine's provenance fingerprints (version -> fingerprint; None if it keeps none)."""
+        return getattr(self.inner, "fingerprints", None)
+
     def duration(self, n: int, seed: int) -> float:
         """Seconds a call of ``n`` samples with sampling seed ``seed`` takes (deterministic)."""
         if self.tail_prob <= 0:
