@@ -546,11 +546,35 @@ def response_samples(run_dir: str | Path, n: int = 2, width: int = 240) -> str:
     return "\n".join(out).rstrip()
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    import asyncrl
+def _demo_configs(args: argparse.Namespace, base: list[str], root: Path) -> dict[str, Any]:
+    """The demo's two run configs: ``base`` at ``max_lag=0`` (sync) and ``--max-lag`` (async)."""
     from asyncrl.config import load_config
+
+    return {
+        label: load_config(None, [*base, f"run_dir={root / label}", f"pipeline.max_lag={lag}"])
+        for label, lag in (("sync", 0), ("async", args.max_lag))
+    }
+
+
+def _run_demo_pair(
+    args: argparse.Namespace, runs: dict[str, Any], root: Path, title: str
+) -> tuple[dict, Path]:
+    """Both demo runs in one Ray instance, then the report over them: (summaries, report path)."""
+    import asyncrl
     from asyncrl.pipeline import ray_session
     from asyncrl.telemetry.report import write_report
+
+    summaries = {}
+    with ray_session(runs["sync"]):  # one Ray instance for both runs
+        for i, (label, cfg) in enumerate(runs.items()):
+            _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
+            summaries[label] = asyncrl.run(cfg).summary
+    _say(args, "[4/4] report over both runs")
+    report = write_report([root / "sync", root / "async"], root / "report.html", title=title)
+    return summaries, report
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     from asyncrl.workloads.pretrain import pretrain
     from asyncrl.workloads.real import is_real
 
@@ -572,25 +596,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         *args.overrides,
         *_quiet_overrides(args),
     ]
-    runs = {  # both configs are checked before anything trains
-        label: load_config(None, [*base, f"run_dir={root / label}", f"pipeline.max_lag={lag}"])
-        for label, lag in (("sync", 0), ("async", args.max_lag))
-    }
+    runs = _demo_configs(args, base, root)  # both configs are checked before anything trains
     for cfg in runs.values():
         _check_plan(cfg, models=False)
     _say(args, f"[1/4] teacher and student: pretrain or reuse ({args.task}, preset {args.preset})")
     pre = pretrain(
         task=args.task, preset=args.preset, cache_dir=args.cache_dir, seed=args.seed, progress=not args.quiet
     )
-    summaries = {}
-    with ray_session(runs["sync"]):  # one Ray instance for both runs
-        for i, (label, cfg) in enumerate(runs.items()):
-            _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
-            summaries[label] = asyncrl.run(cfg).summary
-    _say(args, "[4/4] report over both runs")
-    report = write_report(
-        [root / "sync", root / "async"], root / "report.html", title="asyncrl demo: sync vs async"
-    )
+    summaries, report = _run_demo_pair(args, runs, root, "asyncrl demo: sync vs async")
     print(
         demo_table(
             pre.teacher_accuracy,
@@ -605,10 +618,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _real_demo(args: argparse.Namespace) -> int:
     """``asyncrl demo --preset smollm2``: prepare the real pair, run sync and async OPD, show agreement."""
-    import asyncrl
-    from asyncrl.config import load_config
-    from asyncrl.pipeline import ray_session
-    from asyncrl.telemetry.report import write_report
     from asyncrl.workloads.real import prepare
 
     root = Path(args.run_root)
@@ -623,25 +632,12 @@ def _real_demo(args: argparse.Namespace) -> int:
         *args.overrides,
         *_quiet_overrides(args),
     ]
-    runs = {
-        label: load_config(None, [*base, f"run_dir={root / label}", f"pipeline.max_lag={lag}"])
-        for label, lag in (("sync", 0), ("async", args.max_lag))
-    }
+    runs = _demo_configs(args, base, root)
     _say(args, f"[1/4] real pair and prompts: prepare or reuse (preset {args.preset})")
     made = prepare(args.preset, args.cache_dir, progress=not args.quiet)
     if made.reused:
         _say(args, f"[prepare] reusing {made.root}")
-    summaries = {}
-    with ray_session(runs["sync"]):
-        for i, (label, cfg) in enumerate(runs.items()):
-            _say(args, f"[{i + 2}/4] {label} OPD run (max_lag {cfg.pipeline.max_lag}) -> {cfg.run_dir}")
-            summaries[label] = asyncrl.run(cfg).summary
-    _say(args, "[4/4] report over both runs")
-    report = write_report(
-        [root / "sync", root / "async"],
-        root / "report.html",
-        title=f"asyncrl demo ({args.preset}): sync vs async",
-    )
+    summaries, report = _run_demo_pair(args, runs, root, f"asyncrl demo ({args.preset}): sync vs async")
     print(real_demo_table(summaries["sync"], summaries["async"], report))
     shown = response_samples(root / "async")
     if shown:
