@@ -28,31 +28,7 @@ LORA = LoRAConfig(r=4, alpha=8.0)
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _forget_deepspeed_groups()  # a group another module destroyed must not be reused here
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    _forget_deepspeed_groups()
-
-
-def _forget_deepspeed_groups() -> None:
-    """DeepSpeed caches the process groups it made (``deepspeed.utils.groups``) past
-    ``destroy_process_group``; a later module's engine would reuse a destroyed one."""
-    import deepspeed.utils.groups as groups
-
-    for name in (
-        "_WORLD_GROUP",
-        "_DATA_PARALLEL_GROUP",
-        "_MODEL_PARALLEL_GROUP",
-        "_TENSOR_MODEL_PARALLEL_GROUP",
-        "_ZERO_PARAM_INTRA_PARALLEL_GROUP",
-        "_ALL_TO_ALL_GROUP",
-    ):
-        if getattr(groups, name, None) is not None:
-            setattr(groups, name, None)
+from ds_group import process_group  # noqa: E402, F401  (autouse: the module's process group)
 
 
 def lora_model() -> torch.nn.Module:
