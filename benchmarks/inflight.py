@@ -12,10 +12,14 @@ wrote (metrics.jsonl, samples.parquet), steady state = steps after the first two
 - ``kl_all`` / ``kl_span``: mean per-sample KL(behavior || current) (k3, ``kl_behavior_current``)
   over all trained samples / over those spanning versions: the spanning samples are where the
   KV-cache policy can make a difference (keep: later tokens sampled on a prefix K/V of older
-  weights; recompute: exactly the new version's distribution).
+  weights; recompute: exactly the new version's distribution);
+- with ``--agreement N``: the final student's agreement with the teacher on N held-out prompts
+  (``AgreementEvaluator``: ``kl_reverse``, ``kl_forward``, ``top1_agree``), measured after the run
+  from its last checkpoint so that the evaluation does not share the cores with the run it measures.
 
     python benchmarks/inflight.py --preset tiny --steps 16 --max-lag 2            # quick (CPU)
-    python benchmarks/inflight.py --config examples/configs/opd_smollm2.yaml --steps 8 --max-lag 1 2 4
+    python benchmarks/inflight.py --config examples/configs/opd_smollm2.yaml --steps 8 --max-lag 1 2 4 \
+        --variants off recompute --agreement 16
 
 Writes a JSON line per variant to ``--out`` (default: print only).
 """
@@ -29,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.config import load_config
+from asyncrl import checkpoint
+from asyncrl.config import RunConfig, load_config
 from asyncrl.pipeline import run
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.sinks import read_metrics
@@ -67,6 +72,27 @@ def figures(run_dir: Path, warmup: int = 2) -> dict[str, object]:
     }
 
 
+def agreement(cfg: RunConfig, run_dir: Path, n: int) -> dict[str, float]:
+    """The run's final student (its last checkpoint) against the teacher on ``n`` held-out prompts."""
+    from asyncrl.plan import resolve_models
+    from asyncrl.workloads import real
+    from asyncrl.workloads.agreement import AgreementEvaluator
+    from asyncrl.workloads.checkpoints import load_model
+
+    w = cfg.workload
+    prompts = w.eval_prompts_path or (
+        real.paths(w.preset, w.cache_dir)["eval_prompts"] if real.is_real(w.preset) else None
+    )
+    if prompts is None:
+        raise SystemExit("--agreement needs held-out prompts: workload.eval_prompts_path or a real preset")
+    ev = AgreementEvaluator.from_files(
+        resolve_models(cfg, rl=False).teacher_dir, prompts, n=n, max_new_tokens=cfg.sampling.max_new_tokens
+    )
+    student, _ = load_model(str(checkpoint.latest(run_dir) / checkpoint.MODEL_DIR), role="student")
+    m = ev(student).metrics
+    return {f"eval_{k}": m[k] for k in ("kl_reverse", "kl_forward", "top1_agree")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(REPO / "examples" / "configs" / "opd_tiny.yaml"))
@@ -76,6 +102,13 @@ def main() -> None:
     ap.add_argument("--generators", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides")
+    ap.add_argument(
+        "--agreement",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate each final student on N held-out prompts (after its run)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="asyncrl-inflight-"))
@@ -87,7 +120,7 @@ def main() -> None:
                 f"pipeline.max_lag={S}",
                 f"pipeline.generators={args.generators}",
                 "train.eval_every=0",
-                "train.checkpoint_every=0",
+                f"train.checkpoint_every={args.steps if args.agreement else 0}",
                 "telemetry.progress=false",
                 "telemetry.tensorboard=false",
                 *(["workload.preset=" + args.preset] if args.preset else []),
@@ -96,6 +129,8 @@ def main() -> None:
             ]
             result = run(load_config(args.config, overrides))
             row = {"max_lag": S, "variant": name, **figures(result.run_dir)}
+            if args.agreement:
+                row |= agreement(result.config, result.run_dir, args.agreement)
             print(json.dumps(row), flush=True)
             if args.out:
                 with open(args.out, "a") as f:

@@ -11,7 +11,10 @@ the same command is run again and resumes. Checks, each printed with its measure
 - the killed run left no ``summary.json`` and a complete checkpoint at a multiple of
   ``train.checkpoint_every``; the resumed command exits 0, ``summary.json`` says ``status: completed``
   and ``driver_resumes: 1``, and the killed process's draws are counted as regenerated;
-- every step 1..N logged once; no sample trained twice; exactly N x B samples trained;
+- every step 1..N logged once; no sample trained twice; exactly N x B samples trained; every trained
+  token's lag (learner version - the version that produced the token) <= ``pipeline.max_lag``, so
+  with ``pipeline.inflight_updates=true`` (the CI soak) partial sequences, whose tokens come from
+  several versions, are held to the same exactly-once and staleness contract across every fault;
 - the sample ledger balances (drawn = trained + dropped + regenerated + in flight);
 - every fault fired; the non-finite step was skipped and counted;
 - memory: each ``mem/*`` metric's median over the last quarter of the steps exceeds its median
@@ -154,9 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     samples = read_samples(run_dir)
     kept = samples[samples["kept"]]
     batch = 16
+    max_lag = 2  # soak.yaml
     for item in args.overrides:
         if item.startswith("train.batch_size="):
             batch = int(item.split("=", 1)[1])
+        if item.startswith("pipeline.max_lag="):
+            max_lag = int(item.split("=", 1)[1])
     steps_logged = sorted(m["step"] for m in metrics if "loss" in m)
     fired = {p.name for p in (run_dir / "faults").iterdir()} if (run_dir / "faults").is_dir() else set()
     mem = {
@@ -170,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps 1..N once": steps_logged == list(range(1, args.steps + 1)),
         "no sample trained twice": bool(kept["sample_id"].is_unique),
         "N x B trained": len(kept) == args.steps * batch,
+        "token lag <= max_lag": bool((kept["token_lag_max"] <= max_lag).all()),
         "ledger balanced": summary.get("ledger_balanced") is True,
         "every fault fired": fired >= {"generator_exit", "scorer_exit", "learner_exit", "nonfinite_step"},
         "driver resumed": summary.get("driver_resumes") == 1,
@@ -191,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "resumed_from_step": resume_from,
         "driver_killed_after_s": round(t_kill, 1),
         "faults_fired": sorted(fired),
+        "samples_spanning_versions": int((kept["version_last"] > kept["version_first"]).sum()),
+        "token_lag_max": int(kept["token_lag_max"].max()),
         "mem_growth_mb": mem,
         "mem_peak_mb": peak,
         "ledger": {

@@ -109,7 +109,7 @@ def test_kl_direction_inconclusive_when_reverse_kl_does_not_learn_on_policy(gen:
     kl_sweep(tmp_path, lambda v, s: 0.2 if v.startswith("forward") else 0.0)
     section = kl_verdict(gen, tmp_path)
     assert section.verdict == gen.INCONCLUSIVE
-    assert "precondition" in section.why and "untestable" in section.why
+    assert "precondition" in section.why and "inconclusive" in section.why
 
 
 def lr_sweep(
@@ -146,7 +146,7 @@ def test_lr_x_lag_not_reproduced_when_drift_depends_on_eta_alone(gen: Any, tmp_p
 def test_lr_x_lag_untestable_without_divergence(gen: Any, tmp_path: Path) -> None:
     lr_sweep(tmp_path, lambda lr, s: False, lambda lr, s: (s * lr) ** 2)
     section = gen.lr_x_lag(gen.load_sweep(tmp_path, "lr_x_lag"), tmp_path / "plots")
-    assert "needs divergence inside the LR grid): untestable" in section.why
+    assert "needs divergence inside the LR grid): inconclusive" in section.why
     assert section.verdict == gen.INCONCLUSIVE
 
 
@@ -169,7 +169,7 @@ def test_cache_finiteness_reads_bias_and_the_one_over_m_slope(gen: Any, tmp_path
     assert "forward KL, top-k: biased at k=1, less at k=16: holds" in section.why
     assert "reverse KL, m behavior draws: unbiased: holds" in section.why
     assert "noise ~ m^-1.00" in section.why
-    assert "reverse KL, top-k biased: untestable" in section.why  # a family the sweep did not run
+    assert "reverse KL, top-k biased: inconclusive" in section.why  # a family the sweep did not run
     assert section.verdict == gen.INCONCLUSIVE
 
 
@@ -179,7 +179,7 @@ def test_document_takes_model_accuracies_from_the_runs(gen: Any, tmp_path: Path)
     assert gen.main(["--sweeps-root", str(tmp_path), "--out", str(out), "--plots", str(tmp_path / "p")]) == 0
     text = out.read_text()
     assert "student exact match 0.250, teacher 0.950" in text
-    assert text.count("not run yet (no finished cells)") == 8  # the eight experiments with no sweep here
+    assert text.count("**Verdict: not run yet.** no evidence in experiments/data (no finished cells)") == 8
 
 
 GRPO_VARIANTS = ("none", "truncated_is", "ess_lr", "gradient_alignment", "staleness_lr_law")
@@ -455,3 +455,20 @@ def test_cache_frozen_rules(gen: Any, tmp_path: Path, mc_bias: float, verdict: s
     assert unbiased + ("holds" if mc_bias == 0 else "fails") in section.why
     assert section.verdict == verdict
     assert "crossover" in "\n".join(section.body)
+
+
+def test_unbiased_is_three_way(gen: Any) -> None:
+    """A one-sided interval of bias² / |g|² below the tolerance: unbiased; above it: biased; one that
+    straddles it (too little power, e.g. m = 1 with 5 seeds) is inconclusive, not a failure."""
+    from asyncrl.telemetry.stats import Interval
+
+    tol = gen.BIAS_TOL
+    assert gen.unbiased_within(Interval(0.0, -0.002, 0.5 * tol, 5, 0.95), tol) is True
+    assert gen.unbiased_within(Interval(3 * tol, 2 * tol, 4 * tol, 5, 0.95), tol) is False
+    assert gen.unbiased_within(Interval(0.0, -0.07, 0.05, 5, 0.95), tol) is None
+    assert gen.unbiased_within(Interval(0.0, -math.inf, math.inf, 1, 0.95), tol) is None
+
+
+def test_committed_document_is_its_committed_evidence_regenerated(gen: Any) -> None:
+    """EXPERIMENTS.md and docs/experiments/*.png in the repository are exactly what experiments/data gives."""
+    assert gen.main(["--check"]) == 0

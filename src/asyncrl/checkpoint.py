@@ -219,9 +219,11 @@ def save(
     ledger: np.ndarray,
     counters: dict[str, int],
     coordinator_state: dict[str, Any] | None,
+    tokenizer: Any = None,
 ) -> None:
     """Write this rank's part of a checkpoint into ``path`` (rank 0 writes everything shared, and
-    ``STATE_FILE`` with the manifest last)."""
+    ``STATE_FILE`` with the manifest last). ``tokenizer`` is saved beside the model, so that
+    ``MODEL_DIR`` is a complete checkpoint of its own (``from_pretrained``, ``asyncrl eval --model``)."""
     path.mkdir(parents=True, exist_ok=True)
     sharded = bool(getattr(backend, "sharded_state", False))
     if sharded:
@@ -229,6 +231,8 @@ def save(
     if rank != 0:
         return
     model.save_pretrained(path / MODEL_DIR, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path / MODEL_DIR)
     write_state(
         path,
         TRAINER_STATE,
@@ -345,8 +349,11 @@ class Checkpointer:
     every rank writes its part (``save``) and reports it to Ray Train, which copies the parts into
     one ``step_<v>`` folder of the run's checkpoints. Every rank calls ``save``."""
 
-    def __init__(self, comm: Collectives, *, every: int, steps: int, version: int) -> None:
+    def __init__(
+        self, comm: Collectives, *, every: int, steps: int, version: int, tokenizer: Any = None
+    ) -> None:
         self.comm = comm
+        self.tokenizer = tokenizer  # saved with the model (rank 0)
         self.every = every
         self.steps = steps
         self.last = version  # version of the latest checkpoint (the one resumed from, at start)
@@ -387,6 +394,7 @@ class Checkpointer:
                 ledger=np.concatenate(ledger) if ledger else np.zeros(0, dtype=np.int64),
                 counters=counters,
                 coordinator_state=coordinator_state,
+                tokenizer=self.tokenizer,
             )
             wrote = any(Path(tmp).iterdir())  # ranks > 0 write only a sharded backend's state
             ray.train.report(

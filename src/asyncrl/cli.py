@@ -355,29 +355,21 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def _eval_agreement(args: argparse.Namespace) -> int:
     """``asyncrl eval --model S --teacher T --prompts FILE``: the agreement metrics of S against T."""
-    from asyncrl.workloads import prompts as P
     from asyncrl.workloads.agreement import AgreementEvaluator
     from asyncrl.workloads.checkpoints import check_pair, load_model
 
     if not (args.teacher and args.prompts):
         raise CLIError("agreement eval needs both --teacher DIR and --prompts FILE", EXIT_USAGE)
     check_pair(args.teacher, args.model)  # one vocabulary, before any weights load
-    source = P.PromptSource.open(args.prompts)
-    student, tokenizer = load_model(args.model, role="student")
-    teacher, _ = load_model(args.teacher, role="teacher")
-    ids = [
-        list(map(int, i))
-        for f, t, _ in source.head(args.n)
-        for i in P.prompt_token_ids(t, source.prompt_column, tokenizer, f)
-    ]
-    ev = AgreementEvaluator(
-        teacher, tokenizer, ids, max_new_tokens=args.max_new_tokens or 64, batch_size=args.batch_size,
-        seed=args.seed,
+    ev = AgreementEvaluator.from_files(
+        args.teacher, args.prompts, n=args.n, max_new_tokens=args.max_new_tokens or 64,
+        batch_size=args.batch_size, seed=args.seed,
     )  # fmt: skip
+    student, _ = load_model(args.model, role="student")
     res = ev(student)
     m = res.metrics
     print(
-        f"{args.model} vs teacher {args.teacher} on {len(ids)} prompts of {args.prompts}: "
+        f"{args.model} vs teacher {args.teacher} on {len(ev.prompts)} prompts of {args.prompts}: "
         f"KL(student||teacher) {m['kl_reverse']:.4f}  KL(teacher||student) {m['kl_forward']:.4f} "
         f"nats/token  top-1 {m['top1_agree']:.4f}  teacher NLL {m['teacher_nll']:.4f}  "
         f"ROUGE-L {m['rouge_l']:.4f}  ({res.seconds:.1f} s)"

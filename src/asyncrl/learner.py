@@ -62,6 +62,7 @@ from asyncrl.rollouts import RunAhead, StreamFailed, rollout_batches, started_ea
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
 from asyncrl.telemetry.gradients import LearnerGradients
 from asyncrl.telemetry.steps import StepLogger
+from asyncrl.workloads.checkpoints import shared_tokenizer
 
 
 @dataclass(frozen=True)
@@ -220,8 +221,9 @@ class Learner:
             self.counters.update(restored.counters)
             self.ledger.append(restored.ledger)
         self.checkpoints = checkpoint.Checkpointer(
-            self.comm, every=tc.checkpoint_every, steps=tc.steps, version=self.version
-        )
+            self.comm, every=tc.checkpoint_every, steps=tc.steps, version=self.version,
+            tokenizer=shared_tokenizer(spec.student_dir) if self.rank0 else None,
+        )  # fmt: skip
         self.guard = NumericsGuard(tc.max_nonfinite_steps)
         self.injected_nan = InjectedNaN(spec.faults, backend.module)  # faults.nonfinite_step
         self.gradients = LearnerGradients(cfg, backend.module, self.parts.estimator, rank0=self.rank0)

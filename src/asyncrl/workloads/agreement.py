@@ -161,6 +161,25 @@ class AgreementEvaluator:
         self.pad_id = int(pad)
         self._teacher_texts: list[str] | None = None
 
+    @classmethod
+    def from_files(
+        cls, teacher_dir: str, prompts_file: str, *, n: int, max_new_tokens: int, batch_size: int = 16,
+        seed: int = 0,
+    ) -> AgreementEvaluator:  # fmt: skip
+        """The evaluator of a teacher checkpoint on the first ``n`` prompts of a prompt file (Parquet /
+        JSONL, ``prompt`` or chat ``messages`` rows, templated as the pipeline prompts them)."""
+        from asyncrl.workloads import prompts as P
+        from asyncrl.workloads.checkpoints import load_model
+
+        source = P.PromptSource.open(prompts_file)
+        teacher, tokenizer = load_model(teacher_dir, role="teacher")
+        ids = [
+            list(map(int, i))
+            for f, t, _ in source.head(n)
+            for i in P.prompt_token_ids(t, source.prompt_column, tokenizer, f)
+        ]
+        return cls(teacher, tokenizer, ids, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+
     def _batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n, bs = len(self.prompts), self.batch_size
         return [left_pad(self.prompts[i : i + bs], self.pad_id) for i in range(0, n, bs)]
