@@ -19,7 +19,7 @@ import yaml
 from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
 from asyncrl.faults import FaultConfig
 from asyncrl.lora import LoRAConfig
-from asyncrl.raysetup import DEFAULT_TICK_S
+from asyncrl.ray_internals import DEFAULT_TICK_S
 from asyncrl.sampling import SamplingParams
 
 
