@@ -24,6 +24,7 @@ match after stripping whitespace, ``reward`` is 1.0 / 0.0 (optionally partial cr
   their budgets (measured: ``tiny`` teacher at 0.01 exact match after 1200 steps, seed 0) and
   refuse to pretrain it up front; use it for throughput and long-sequence tests, or with
   ``partial_credit`` rewards.
+
 Train and eval are disjoint by construction (``split_of``): a prompt belongs to the eval split iff
 ``crc32(prompt) % 10 == 0``, independent of the seed.
 """
