@@ -75,3 +75,12 @@ def test_the_builtins_resolve_by_name_without_importing_the_lab_first() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr + "\n(entry points missing? reinstall: pip install -e .)"
     assert proc.stdout.split() == ["asyncrl.lab.tasks", "tiny"]
+
+
+def test_an_empty_family_says_no_plugin_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg: Registry = Registry("doohickey")
+    monkeypatch.setattr("importlib.metadata.entry_points", _entry_points({}))
+    with pytest.raises(
+        RegistryError, match=r"no doohickey plugin is installed: entry-point group 'asyncrl.doohickey'"
+    ):
+        reg.get("anything")

@@ -120,6 +120,11 @@ class Registry(Generic[T]):
                 raise RegistryError(f"cannot import {self.kind} {name!r}: {err}") from err
         close = difflib.get_close_matches(name, list(self._entries), n=3, cutoff=0.4)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        if not self._entries:  # the built-ins of this family come from plugins, and none is installed
+            hint += (
+                f" (no {self.kind} plugin is installed: entry-point group {self.group!r}; an install older "
+                f"than its pyproject.toml needs `pip install -e .` again)"
+            )
         raise RegistryError(
             f"unknown {self.kind} {name!r}{hint} Registered: {sorted(self._entries)}. "
             f"A user class can be given as a dotted path 'package.module:Class'."
