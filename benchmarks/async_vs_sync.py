@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     apply_env()  # a run's process environment (TORCH_ENV: torch's allocator), before any tensor
 
-    from asyncrl.workloads.pretrain import pretrain
+    from asyncrl.lab.pretrain import pretrain
 
     pretrain(task=args.task, preset=args.preset, cache_dir=args.cache_dir, progress=False)
     root = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))

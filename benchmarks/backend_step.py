@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncrl.backends import make_backend
     from asyncrl.config import TrainConfig
-    from asyncrl.workloads.presets import build_model, get_preset
+    from asyncrl.lab.presets import build_model, get_preset
 
     spec = get_preset(args.preset).student
     vocab = 100

@@ -43,7 +43,7 @@ import torch
 
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
-from asyncrl.workloads.presets import build_model, get_preset, num_parameters
+from asyncrl.lab.presets import build_model, get_preset, num_parameters
 from asyncrl.workloads.tasks import encode_prompts, get_task
 from asyncrl.workloads.tokenizer import char_tokenizer
 

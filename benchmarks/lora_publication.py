@@ -39,9 +39,9 @@ import torch
 from asyncrl.coordinator import pack_weights, publishable_state, unpack_weights
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
+from asyncrl.lab.presets import build_model, get_preset
 from asyncrl.lora import LoRAConfig, apply_lora, state_bytes
 from asyncrl.provenance import weights_fingerprint
-from asyncrl.workloads.presets import build_model, get_preset
 from asyncrl.workloads.tasks import encode_prompts, get_task
 from asyncrl.workloads.tokenizer import char_tokenizer
 

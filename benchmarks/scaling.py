@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import load_config
+from asyncrl.lab.simulator import SimConfig, simulate
 from asyncrl.pipeline import run
-from asyncrl.simulator import SimConfig, simulate
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.sinks import read_metrics
 
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     import ray
 
+    from asyncrl.lab.pretrain import pretrain
     from asyncrl.raysetup import RAY_ENV, apply_env, runtime_env
-    from asyncrl.workloads.pretrain import pretrain
 
     apply_env()
     pretrain(task="addition", preset="tiny", cache_dir=args.cache_dir, progress=False)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import asyncrl
 from asyncrl.config import RunConfig, load_config
+from asyncrl.lab.pretrain import pretrain
 from asyncrl.pipeline import RunResult
-from asyncrl.workloads.pretrain import pretrain
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "grpo.yaml"
 

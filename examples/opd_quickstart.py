@@ -15,9 +15,9 @@ from pathlib import Path
 
 import asyncrl
 from asyncrl.config import RunConfig, load_config
+from asyncrl.lab.pretrain import pretrain
+from asyncrl.lab.report import write_report
 from asyncrl.pipeline import RunResult
-from asyncrl.telemetry.report import write_report
-from asyncrl.workloads.pretrain import pretrain
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "opd_tiny.yaml"
 

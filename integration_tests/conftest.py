@@ -49,8 +49,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
 
 def pretrained(fixture: str):
-    """The pair behind ``fixture``, trained once per machine (``asyncrl.workloads.pretrain``)."""
-    from asyncrl.workloads.pretrain import pretrain
+    """The pair behind ``fixture``, trained once per machine (``asyncrl.lab.pretrain``)."""
+    from asyncrl.lab.pretrain import pretrain
 
     return pretrain(task="addition", preset=PAIRS[fixture], cache_dir=CACHE, seed=0, progress=False)
 
@@ -58,7 +58,7 @@ def pretrained(fixture: str):
 def pytest_collection_finish(session) -> None:
     """Warm the model cache for the selected tests that need the slow pairs, with the project's own
     ``asyncrl pretrain``. The fixtures call the same ``pretrain``, which holds a per-pair lock
-    (``asyncrl.workloads.pretrain.cache_lock``): one still training in the background is waited for,
+    (``asyncrl.lab.pretrain.cache_lock``): one still training in the background is waited for,
     then reused; one that failed there is trained (and its error raised) by the fixture itself."""
     import shlex
     import subprocess

@@ -16,7 +16,7 @@ import pytest
 from conftest import CACHE, check_demo_sizing
 
 from asyncrl.cli import main
-from asyncrl.workloads.presets import get_preset
+from asyncrl.lab.presets import get_preset
 from asyncrl.workloads.tasks import TASKS
 
 BUILTIN_TASKS = TASKS.names()
@@ -42,7 +42,7 @@ def _budgeted(preset: str, task: str) -> bool:
 
 @pytest.mark.parametrize(("task", "preset"), _cells(*TINY_PRESETS))
 def test_tiny_presets_pretrain_every_task_into_its_targets(task: str, preset: str, tmp_path) -> None:
-    from asyncrl.workloads.pretrain import PretrainError, pretrain
+    from asyncrl.lab.pretrain import PretrainError, pretrain
 
     if not _budgeted(preset, task):  # refused at once, naming the knob, nothing trained or cached
         with pytest.raises(

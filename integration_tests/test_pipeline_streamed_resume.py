@@ -16,11 +16,11 @@ from conftest import tiny_config
 
 from asyncrl import records as R
 from asyncrl.checkpoint import latest, load_ledger
+from asyncrl.lab.tasks import Addition
 from asyncrl.pipeline import run
 from asyncrl.stream import FileStream, local_reader
 from asyncrl.telemetry.summary import read_samples
 from asyncrl.workloads.prompts import PromptSource
-from asyncrl.workloads.tasks import Addition
 
 pytestmark = pytest.mark.ray
 

@@ -31,7 +31,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.caches import CACHES
 from asyncrl.estimators import build as build_estimator
-from asyncrl.telemetry.evidence import format_value
+from asyncrl.lab.evidence import format_value
 from asyncrl.telemetry.gradients import frozen_theta, mc_redraw
 
 COLUMNS = ("seed", "step", "family", "size", "bytes_per_token", "bias_sq", "var", "ref_sq", "redraws", "cos")

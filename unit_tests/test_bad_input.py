@@ -290,7 +290,7 @@ def test_prompts_longer_than_the_models_context_are_caught(tmp_path: Path, cache
 @SETTINGS
 @given(data=st.binary(max_size=200), suffix=st.sampled_from([".jsonl", ".parquet"]))
 def test_random_bytes_as_a_prompt_file(tmp_path_factory, data: bytes, suffix: str) -> None:
-    from asyncrl.workloads.tasks import load_prompts
+    from asyncrl.workloads.prompts import load_prompts
 
     path = tmp_path_factory.mktemp("prompts") / f"p{suffix}"
     path.write_bytes(data)

@@ -188,7 +188,7 @@ def test_demo_runs_sync_and_async_and_writes_the_overlaid_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from asyncrl import pipeline as pipeline_module
-    from asyncrl.workloads import pretrain as pretrain_module
+    from asyncrl.lab import pretrain as pretrain_module
 
     calls: dict[str, object] = {}
 
@@ -244,7 +244,7 @@ def test_demo_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
 def test_demo_checks_its_configs_before_pretraining(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from asyncrl.workloads import pretrain as pretrain_module
+    from asyncrl.lab import pretrain as pretrain_module
 
     def no_pretrain(**kw):
         raise AssertionError("pretrain must not start when a config is invalid")

@@ -18,7 +18,7 @@ from asyncrl.controllers import (
     chain,
     scaled_lr,
 )
-from asyncrl.simulator import SimConfig, simulate
+from asyncrl.lab.simulator import SimConfig, simulate
 
 torch.set_num_threads(1)
 V, D, T, B = 8, 6, 5, 6

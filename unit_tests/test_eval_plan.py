@@ -12,12 +12,12 @@ import pytest
 
 from asyncrl.cli import real_demo_table, response_samples
 from asyncrl.config import load_config
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.plan import ModelPaths, eval_plan
 from asyncrl.telemetry import names as N
 from asyncrl.telemetry.progress import Display
 from asyncrl.telemetry.summary import agreement, read_evals
 from asyncrl.workloads.checkpoints import save_checkpoint
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import Example, prompt_token_ids
 from asyncrl.workloads.tokenizer import char_tokenizer
 

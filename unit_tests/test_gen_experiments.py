@@ -381,7 +381,7 @@ def test_accuracy_at_equal_wall_time(gen: Any, tmp_path: Path, gain: float, verd
 def test_paired_interval_and_t_quantile() -> None:
     from scipy import stats as sps
 
-    from asyncrl.telemetry import stats
+    from asyncrl.lab import stats
 
     for df in (1, 4, 10):
         assert stats.t_quantile(0.975, df) == pytest.approx(sps.t.ppf(0.975, df), rel=1e-6)

@@ -25,9 +25,9 @@ from tabular import PROMPT_TOKEN, TabularLM, log_policy, n_states, sequences, st
 
 from asyncrl import records as R
 from asyncrl.estimators import build
+from asyncrl.lab.stats import cluster_bootstrap_ratio
 from asyncrl.telemetry import gradients as G
 from asyncrl.telemetry import names as N
-from asyncrl.telemetry.stats import cluster_bootstrap_ratio
 
 V, T = 3, 2
 f64 = torch.float64

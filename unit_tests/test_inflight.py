@@ -30,11 +30,11 @@ from asyncrl.engines.base import EngineDeadError, SamplingParams, pack_rollout, 
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.llama_decode import LlamaDecoder
 from asyncrl.engines.vllm import VLLMEngine
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.lora import policy_state
 from asyncrl.provenance import ProvenanceCheck, ProvenanceError, weights_fingerprint
 from asyncrl.step import sample_info
 from asyncrl.telemetry.staleness import LAG_BUCKETS, token_lag_columns, token_lag_histogram
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import encode_prompts
 from asyncrl.workloads.tokenizer import char_tokenizer
 

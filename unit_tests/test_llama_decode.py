@@ -23,7 +23,7 @@ from asyncrl import records
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.llama_decode import LlamaDecoder, unsupported_reason
-from asyncrl.workloads.presets import ModelSpec, build_model
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import encode_prompts
 from asyncrl.workloads.tokenizer import EOS_ID, PAD_ID, char_tokenizer
 

@@ -17,10 +17,10 @@ from asyncrl.coordinator import pack_weights, publishable_state, unpack_weights
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
 from asyncrl.engines.llama_decode import unsupported_reason
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.lora import LoRAConfig, adapter_state, apply_lora, policy_state, state_bytes
 from asyncrl.provenance import weights_fingerprint
 from asyncrl.records import completion_logits
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import encode_prompts
 from asyncrl.workloads.tokenizer import char_tokenizer
 

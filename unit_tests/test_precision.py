@@ -17,8 +17,8 @@ from asyncrl.caches import DenseCache, TopKCache, score_teacher
 from asyncrl.config import ConfigError, TrainConfig, load_config
 from asyncrl.controllers import chain
 from asyncrl.estimators import build as build_estimator
+from asyncrl.lab.presets import PRESETS, build_model
 from asyncrl.step import StepOptions, StepParts, autocast, loss_step
-from asyncrl.workloads.presets import PRESETS, build_model
 
 torch.set_num_threads(1)
 V, N, P, T = 19, 16, 5, 6

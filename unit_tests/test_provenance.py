@@ -13,6 +13,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.lora import policy_state
 from asyncrl.provenance import (
     NO_FINGERPRINT,
@@ -24,7 +25,6 @@ from asyncrl.provenance import (
     weights_fingerprint,
 )
 from asyncrl.stages import sample_fingerprints
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import encode_prompts
 from asyncrl.workloads.tokenizer import char_tokenizer
 

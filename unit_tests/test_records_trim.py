@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl import records as R
-from asyncrl.workloads.presets import ModelSpec, build_model
+from asyncrl.lab.presets import ModelSpec, build_model
 
 torch.set_num_threads(1)
 

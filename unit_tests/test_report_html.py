@@ -16,8 +16,8 @@ import pytest
 
 from asyncrl.config import RunConfig, save_config
 from asyncrl.configurable import from_dict
+from asyncrl.lab.report import ReportError, default_report_path, load_run, render_report, write_report
 from asyncrl.telemetry import names
-from asyncrl.telemetry.report import ReportError, default_report_path, load_run, render_report, write_report
 from asyncrl.telemetry.sinks import RunWriter
 
 BUCKETS = ("0", "1", "2", "3-4")
@@ -291,7 +291,7 @@ def test_broken_image_is_detected_by_the_page_check(tmp_path: Path, two_runs: li
 
 
 def test_accuracy_plots_mark_the_teacher(two_runs: list[Path]) -> None:
-    from asyncrl.telemetry.report import _PANELS, load_runs
+    from asyncrl.lab.report import _PANELS, load_runs
 
     records = load_runs(two_runs)
     for r in records:

@@ -1,4 +1,4 @@
-"""The discrete-event model of the pipeline (``asyncrl.simulator``): the ordering rule and the
+"""The discrete-event model of the pipeline (``asyncrl.lab.simulator``): the ordering rule and the
 staleness bound over adversarial schedules (spec 7.1 a-g), and what a straggler costs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.controllers import BoundedStaleness, chain
-from asyncrl.simulator import DROPPED, KEPT, LOST, PENDING, SimConfig, ideal_throughput, simulate
+from asyncrl.lab.simulator import DROPPED, KEPT, LOST, PENDING, SimConfig, ideal_throughput, simulate
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

@@ -18,9 +18,7 @@ from test_report_html import write_fake_run
 from test_sweep_run import FakeRunner
 from test_sweep_spec import write_sweep
 
-from asyncrl.sweep import aggregate_sweep, load_sweep, run_sweep
-from asyncrl.telemetry import names
-from asyncrl.telemetry.aggregate import (
+from asyncrl.lab.aggregate import (
     cell_table,
     figure_columns,
     mean_curve,
@@ -29,7 +27,9 @@ from asyncrl.telemetry.aggregate import (
     summary_figures,
     write_table,
 )
-from asyncrl.telemetry.sweep_report import plot_curves, plot_y_vs_x
+from asyncrl.lab.sweep import aggregate_sweep, load_sweep, run_sweep
+from asyncrl.lab.sweep_report import plot_curves, plot_y_vs_x
+from asyncrl.telemetry import names
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

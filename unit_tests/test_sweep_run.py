@@ -14,7 +14,7 @@ from test_sweep_spec import write_sweep
 import asyncrl
 from asyncrl import cli
 from asyncrl.config import RunConfig, save_config
-from asyncrl.sweep import MANIFEST, SweepError, cell_state, load_sweep, run_sweep
+from asyncrl.lab.sweep import MANIFEST, SweepError, cell_state, load_sweep, run_sweep
 from asyncrl.telemetry import names
 from asyncrl.telemetry.sinks import read_summary, write_summary
 from asyncrl.telemetry.summary import failed_summary

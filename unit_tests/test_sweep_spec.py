@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.sweep import RUNS_DIR, SweepError, cell_key, load_sweep, value_label
+from asyncrl.lab.sweep import RUNS_DIR, SweepError, cell_key, load_sweep, value_label
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = REPO / "examples" / "sweeps"
@@ -258,7 +258,7 @@ def test_values_with_the_same_directory_name_are_refused(tmp_path: Path) -> None
 def test_every_sweep_field_is_documented() -> None:
     import dataclasses
 
-    from asyncrl.sweep import AggregateSpec, SweepSpec
+    from asyncrl.lab.sweep import AggregateSpec, SweepSpec
 
     doc = (REPO / "docs" / "sweeps.md").read_text()
     for f in dataclasses.fields(SweepSpec):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.sweep import load_sweep
+from asyncrl.lab.sweep import load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEPS = REPO / "examples" / "sweeps"

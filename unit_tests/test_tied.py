@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from asyncrl.coordinator import pack_weights, publishable_state, unpack_weights
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.tied import copy_once, drop_tied_duplicates, tied_aliases
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import encode_prompts
 from asyncrl.workloads.tokenizer import char_tokenizer
 

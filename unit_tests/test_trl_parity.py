@@ -26,8 +26,8 @@ from trl_parity import compare
 from asyncrl import records as R
 from asyncrl.engines.base import SamplingParams
 from asyncrl.engines.hf import HFEngine
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.stages import pad_rollout
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import encode_prompts, get_task
 from asyncrl.workloads.tokenizer import char_tokenizer
 

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.workloads.agreement import (
     METRICS,
     AgreementEvaluator,
@@ -20,7 +21,6 @@ from asyncrl.workloads.agreement import (
     sequence_nll,
     token_agreement,
 )
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tasks import prompt_token_ids
 from asyncrl.workloads.tokenizer import char_tokenizer
 

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
+from asyncrl.lab.presets import PRESETS, ModelSpec, build_model, get_preset, num_parameters
+from asyncrl.lab.pretrain import exact_match, pretrain
 from asyncrl.registry import RegistryError
 from asyncrl.workloads.checkpoints import CheckpointError, load_pair, missing_parts
-from asyncrl.workloads.presets import PRESETS, ModelSpec, build_model, get_preset, num_parameters
-from asyncrl.workloads.pretrain import exact_match, pretrain
 from asyncrl.workloads.tasks import get_task
 from asyncrl.workloads.tokenizer import BOS_ID, EOS_ID, PAD_ID, char_tokenizer
 
@@ -145,9 +145,9 @@ def test_supervised_training_shows_a_progress_line_per_eval() -> None:
     """Pretraining reports through the same display as runs: plain lines at its evals."""
     import io
 
+    from asyncrl.lab.presets import Schedule, build_model
+    from asyncrl.lab.pretrain import train_supervised
     from asyncrl.telemetry.progress import SUPERVISED_FIELDS, Progress
-    from asyncrl.workloads.presets import Schedule, build_model
-    from asyncrl.workloads.pretrain import train_supervised
 
     tok = char_tokenizer()
     task = get_task("addition")
@@ -205,8 +205,8 @@ def _preset_with(**schedules) -> object:
 
 
 def test_a_student_below_its_band_fails_naming_the_knob(tmp_path) -> None:
-    from asyncrl.workloads.presets import Schedule
-    from asyncrl.workloads.pretrain import PretrainError
+    from asyncrl.lab.presets import Schedule
+    from asyncrl.lab.pretrain import PretrainError
 
     preset = _preset_with(
         teacher_schedule=Schedule(max_steps=5, eval_every=5, stop_at=0.0),  # any teacher passes
@@ -220,8 +220,8 @@ def test_a_student_below_its_band_fails_naming_the_knob(tmp_path) -> None:
 
 
 def test_a_teacher_below_stop_at_fails_naming_the_knob(tmp_path) -> None:
-    from asyncrl.workloads.presets import Schedule
-    from asyncrl.workloads.pretrain import PretrainError
+    from asyncrl.lab.presets import Schedule
+    from asyncrl.lab.pretrain import PretrainError
 
     preset = _preset_with(teacher_schedule=Schedule(max_steps=5, eval_every=5, stop_at=0.9))
     with pytest.raises(
@@ -232,8 +232,8 @@ def test_a_teacher_below_stop_at_fails_naming_the_knob(tmp_path) -> None:
 
 def test_an_overshoot_is_bisected_to_a_step_inside_the_band() -> None:
     """Accuracy jumps 0.1 -> 0.9 between two evaluations; the earliest in-band step is found."""
-    from asyncrl.workloads.presets import Schedule
-    from asyncrl.workloads.pretrain import PretrainError, _bisect_band
+    from asyncrl.lab.presets import Schedule
+    from asyncrl.lab.pretrain import PretrainError, _bisect_band
 
     model = torch.nn.Linear(1, 1, bias=False)
     curve = {11: 0.12, 12: 0.15, 13: 0.18, 14: 0.3, 15: 0.45, 16: 0.8, 17: 0.85, 18: 0.88, 19: 0.89}
@@ -257,7 +257,7 @@ def test_an_overshoot_is_bisected_to_a_step_inside_the_band() -> None:
 def test_band_snapshots_copy_tied_weights_once_and_restore_them_tied() -> None:
     """The band search's per-step copy (``_snapshot``): a tied embedding / LM head (qwen3's) is one
     copy under both keys, the copy does not follow later steps, and loading it keeps the tie."""
-    from asyncrl.workloads.pretrain import _snapshot
+    from asyncrl.lab.pretrain import _snapshot
 
     model = torch.nn.Sequential(torch.nn.Embedding(7, 3), torch.nn.Linear(3, 7, bias=False))
     model[1].weight = model[0].weight
@@ -280,7 +280,7 @@ def test_cache_lock_lets_one_trainer_at_a_time_and_sits_beside_the_entry(tmp_pat
     import fcntl
     import threading
 
-    from asyncrl.workloads.pretrain import cache_lock
+    from asyncrl.lab.pretrain import cache_lock
 
     root = tmp_path / "addition-tiny-s0"
     order: list[str] = []

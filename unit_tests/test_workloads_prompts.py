@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl import records as R
+from asyncrl.lab.tasks import Addition
 from asyncrl.stream import local_reader
 from asyncrl.workloads.prompts import (
     PromptSource,
@@ -21,7 +22,7 @@ from asyncrl.workloads.prompts import (
     prompt_token_ids,
     read_file,
 )
-from asyncrl.workloads.tasks import Addition, reward_function
+from asyncrl.workloads.tasks import reward_function
 from asyncrl.workloads.tokenizer import char_tokenizer
 
 TOK = char_tokenizer()

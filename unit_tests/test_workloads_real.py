@@ -12,9 +12,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
+from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.workloads import real
 from asyncrl.workloads.checkpoints import load_model, save_checkpoint
-from asyncrl.workloads.presets import ModelSpec, build_model
 from asyncrl.workloads.tokenizer import char_tokenizer
 
 torch.set_num_threads(1)

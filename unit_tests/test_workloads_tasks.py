@@ -7,12 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.lab.tasks import Addition, Reverse, RunningSum
 from asyncrl.registry import RegistryError
 from asyncrl.workloads.tasks import (
     TASKS,
-    Addition,
-    Reverse,
-    RunningSum,
     Task,
     char_overlap,
     encode_prompts,
@@ -112,7 +110,7 @@ def test_task_option_errors_and_unknown_task_suggestion() -> None:
 
 
 def test_get_task_accepts_dotted_path_class_and_instance() -> None:
-    assert isinstance(get_task("asyncrl.workloads.tasks:Reverse"), Reverse)
+    assert isinstance(get_task("asyncrl.lab.tasks:Reverse"), Reverse)
     t = Addition(digits=3)
     assert get_task(t) is t
     assert get_task(Reverse).name == "reverse"
@@ -146,7 +144,8 @@ def test_answer_token_budget_is_the_longest_answer_plus_eos(name: str) -> None:
 
 
 def test_answer_token_budget_counts_bpe_tokens_not_characters() -> None:
-    from asyncrl.workloads.tasks import Reverse, answer_token_budget
+    from asyncrl.lab.tasks import Reverse
+    from asyncrl.workloads.tasks import answer_token_budget
     from asyncrl.workloads.tokenizer import qwen_tokenizer
 
     qwen = qwen_tokenizer()

@@ -7,9 +7,10 @@ The parts (``asyncrl.estimators``, ``asyncrl.controllers``, ``asyncrl.caches``, 
 The public API is ``__all__`` below, and it is listed once more, with every name's docstring, in
 the API reference of the docs site (``docs/reference/``). Those names are stable: within a 0.x
 minor version they keep their signatures and meaning, and a change is announced in CHANGELOG.md
-first. Everything else (module paths not listed, names starting with ``_``, the lab tooling:
-sweeps, simulator, report, pretraining, benchmarks) may change in any release. Attributes load on
-first use, so ``import asyncrl`` imports neither torch nor Ray.
+first. Everything else (module paths not listed, names starting with ``_``, the lab tooling in
+``asyncrl.lab``: sweeps, simulator, report, pretraining, built-in tasks and presets; benchmarks)
+may change in any release. The core never imports ``asyncrl.lab``. Attributes load on first use,
+so ``import asyncrl`` imports neither torch nor Ray.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ REGISTRIES: dict[str, tuple[str, str]] = {
     "caches": ("asyncrl.caches", "CACHES"),
     "tasks": ("asyncrl.workloads.tasks", "TASKS"),
     "engines": ("asyncrl.engines", "ENGINES"),
-    "presets": ("asyncrl.workloads.presets", "PRESETS"),
+    "presets": ("asyncrl.lab.presets", "PRESETS"),
     "tokenizers": ("asyncrl.workloads.tokenizer", "TOKENIZERS"),
 }
 
@@ -226,7 +226,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # --- sweep -----------------------------------------------------------------------------------------
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from asyncrl.sweep import SweepError, aggregate_sweep, cell_state, load_sweep, run_sweep
+    from asyncrl.lab.sweep import SweepError, aggregate_sweep, cell_state, load_sweep, run_sweep
     from asyncrl.telemetry.progress import GridProgress
 
     if args.parallel < 1:
@@ -279,7 +279,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 # --- report ----------------------------------------------------------------------------------------
 def cmd_report(args: argparse.Namespace) -> int:
-    from asyncrl.telemetry.report import write_report
+    from asyncrl.lab.report import write_report
 
     path = write_report(args.runs, args.output)
     print(f"report: {path}")
@@ -288,7 +288,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 # --- pretrain / eval ---------------------------------------------------------------------------------
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from asyncrl.workloads.pretrain import pretrain
+    from asyncrl.lab.pretrain import pretrain
 
     res = pretrain(
         task=args.task,
@@ -553,8 +553,8 @@ def _run_demo_pair(
 ) -> tuple[dict, Path]:
     """Both demo runs in one Ray instance, then the report over them: (summaries, report path)."""
     import asyncrl
+    from asyncrl.lab.report import write_report
     from asyncrl.pipeline import ray_session
-    from asyncrl.telemetry.report import write_report
 
     summaries = {}
     with ray_session(runs["sync"]):  # one Ray instance for both runs
@@ -567,7 +567,7 @@ def _run_demo_pair(
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from asyncrl.workloads.pretrain import pretrain
+    from asyncrl.lab.pretrain import pretrain
     from asyncrl.workloads.real import is_real
 
     if args.steps is not None and args.steps < 1:

@@ -19,7 +19,7 @@ import yaml
 from asyncrl.configurable import ConfigError, check, field, from_dict, to_dict
 from asyncrl.faults import FaultConfig
 from asyncrl.lora import LoRAConfig
-from asyncrl.raysetup import DEFAULT_TICK_S
+from asyncrl.ray_internals import DEFAULT_TICK_S
 from asyncrl.sampling import SamplingParams
 
 
@@ -517,7 +517,7 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
         return cfg
     from dataclasses import replace
 
-    from asyncrl.workloads.pretrain import workload_tokenizer
+    from asyncrl.workloads.models import workload_tokenizer
     from asyncrl.workloads.real import is_real
     from asyncrl.workloads.tasks import answer_token_budget, get_task
 
@@ -540,7 +540,7 @@ def resolve_components(cfg: RunConfig) -> RunConfig:
     """Fail at load time on unknown component names or options (nearest name suggested); returns ``cfg``."""
     from asyncrl import caches, controllers, engines, estimators
     from asyncrl.registry import RegistryError
-    from asyncrl.workloads import presets, tasks
+    from asyncrl.workloads import models, tasks
 
     def _try(fieldname: str, fn, value: Any, component: str | None = None) -> None:
         try:
@@ -571,7 +571,7 @@ def resolve_components(cfg: RunConfig) -> RunConfig:
     from asyncrl.workloads.real import is_real
 
     if not is_real(cfg.workload.preset):
-        _try("workload.preset", lambda: presets.get_preset(cfg.workload.preset), cfg.workload.preset)
+        _try("workload.preset", lambda: models.PRESETS.get(cfg.workload.preset), cfg.workload.preset)
     _try("pipeline.engine", lambda: engines.ENGINES.get(cfg.pipeline.engine), cfg.pipeline.engine)
     return cfg
 

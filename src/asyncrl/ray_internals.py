@@ -63,6 +63,8 @@ EXECUTOR = "ray.data._internal.execution.streaming_executor"
 #: ``pipeline.ray_address``; ``asyncrl.pipeline.ray_runtime_env``): how ``is_local`` and the worker
 #: hook tell such an instance (no autoscaler; it stops with the run) from a cluster the caller joined
 LOCAL_RAY_MARKER = "ASYNCRL_LOCAL_RAY"
+#: Ray Data's scheduling-loop tick of the worker-side patch (``pipeline.data_tick_s``' default)
+DEFAULT_TICK_S = 0.1
 #: Ray's handler name on the driver's log dispatcher (``ray._private.worker.connect``)
 RAY_HANDLER = "ray_print_logs"
 #: the name ``log_filter`` installs its handler under

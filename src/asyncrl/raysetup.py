@@ -13,12 +13,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from asyncrl.ray_internals import LOCAL_RAY_MARKER, worker_hook
+from asyncrl.ray_internals import DEFAULT_TICK_S, LOCAL_RAY_MARKER, worker_hook
 
 if TYPE_CHECKING:
     from asyncrl.config import RunConfig
-
-DEFAULT_TICK_S = 0.1
 
 #: PyTorch's CPU allocator, in every process of a run (workers included; a value set in the
 #: driver's environment wins): tensors of >= 2 MiB page-aligned and ``madvise(MADV_HUGEPAGE)``d.

@@ -5,6 +5,16 @@ Every pluggable family (estimators, controllers, caches, tasks, engines, presets
 object by dotted path (``"my_pkg.module:MyController"`` or ``"my_pkg.module.MyController"``)
 without registering it, e.g. from YAML. ``Registry.build`` is the one way a component is made
 from a name and plain (YAML-shaped) options, whatever its family.
+
+Plugins: an installed distribution adds entries to a registry of kind ``K`` by declaring an entry
+point in the group ``asyncrl.K`` (spaces as underscores: ``asyncrl.task``, ``asyncrl.preset``,
+``asyncrl.estimator``, ...), e.g. ``[project.entry-points."asyncrl.task"] mine = "my_pkg.tasks"``:
+a module that registers its entries when imported, or a callable that registers them when called
+with no arguments. A registry loads its group once per process, the first time it is asked for a
+name it does not hold or for its names (``load_plugins``), so a name resolves the same in the
+driver and in every Ray worker, and a family's lookups import only that family's plugins. asyncrl's
+own lab registers its built-in tasks and model presets this way (``asyncrl.lab.tasks``,
+``asyncrl.lab.presets``); the core never imports it.
 """
 
 from __future__ import annotations
@@ -18,6 +28,30 @@ from typing import Any, Generic, TypeVar
 from asyncrl.configurable import ConfigError, from_dict
 
 T = TypeVar("T")
+
+_loaded: set[str] = set()  # entry-point groups loaded (or loading) in this process
+
+
+def load_plugins(group: str) -> None:
+    """Load every installed entry point of ``group`` once per process (see the module docstring):
+    a module is imported, a callable called. One that fails raises, naming it, and is retried on
+    the next lookup, so a broken plugin is never silently missing."""
+    if group in _loaded:
+        return
+    from importlib.metadata import entry_points
+
+    _loaded.add(group)  # first: a plugin registering its entries may look names up meanwhile
+    try:
+        for ep in entry_points(group=group):
+            try:
+                obj = ep.load()
+                if callable(obj):
+                    obj()
+            except Exception as err:
+                raise ImportError(f"asyncrl plugin {ep.name!r} ({ep.value}) failed to load: {err}") from err
+    except BaseException:
+        _loaded.discard(group)
+        raise
 
 
 class RegistryError(KeyError):
@@ -53,6 +87,8 @@ class Registry(Generic[T]):
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
+        #: the entry-point group of this family's plugins (``load_plugins``)
+        self.group = "asyncrl." + kind.replace(" ", "_")
         self._entries: dict[str, T] = {}
 
     def register(self, name: str | None = None) -> Callable[[T], T]:
@@ -74,6 +110,9 @@ class Registry(Generic[T]):
         """Look ``name`` up; dotted paths are imported. Unknown names raise with suggestions."""
         if name in self._entries:
             return self._entries[name]
+        load_plugins(self.group)
+        if name in self._entries:
+            return self._entries[name]
         if "." in name or ":" in name:
             try:
                 return import_dotted(name)  # type: ignore[return-value]
@@ -81,6 +120,11 @@ class Registry(Generic[T]):
                 raise RegistryError(f"cannot import {self.kind} {name!r}: {err}") from err
         close = difflib.get_close_matches(name, list(self._entries), n=3, cutoff=0.4)
         hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        if not self._entries:  # the built-ins of this family come from plugins, and none is installed
+            hint += (
+                f" (no {self.kind} plugin is installed: entry-point group {self.group!r}; an install older "
+                f"than its pyproject.toml needs `pip install -e .` again)"
+            )
         raise RegistryError(
             f"unknown {self.kind} {name!r}{hint} Registered: {sorted(self._entries)}. "
             f"A user class can be given as a dotted path 'package.module:Class'."
@@ -123,13 +167,18 @@ class Registry(Generic[T]):
             raise ConfigError("options", opts, f"{name!r} rejected its options: {err}") from None
 
     def names(self) -> list[str]:
+        load_plugins(self.group)
         return sorted(self._entries)
 
     def items(self) -> Iterator[tuple[str, T]]:
+        load_plugins(self.group)
         yield from sorted(self._entries.items())
 
     def __contains__(self, name: object) -> bool:
+        if name not in self._entries:
+            load_plugins(self.group)
         return name in self._entries
 
     def __len__(self) -> int:
+        load_plugins(self.group)
         return len(self._entries)

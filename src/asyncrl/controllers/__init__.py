@@ -13,7 +13,7 @@ Built-ins (registered names): ``bounded_staleness`` (BoundedStaleness), ``trunca
 
 The math lives in ``asyncrl.controllers.functional``; the producer-side budget the
 coordinator wraps is ``asyncrl.controllers.admission.AdmissionBudget``; a discrete-event
-simulator for the staleness bound (a study tool, outside this math package) is ``asyncrl.simulator``.
+simulator for the staleness bound (a study tool, outside this math package) is ``asyncrl.lab.simulator``.
 """
 
 from asyncrl.controllers.admission import AdmissionBudget

@@ -5,7 +5,7 @@
 - ``sinks``: ``RunWriter`` (metrics.jsonl, samples Parquet, TensorBoard, summary.json) and readers.
 - ``staleness``: lag buckets and per-bucket aggregation.
 - ``progress``: the live progress display (rich on a TTY, plain lines in logs, silent when quiet).
-- ``report``: one self-contained HTML page over one or several run directories.
-- ``aggregate``: tables over many run directories (one row per run; mean, std, n over seeds).
-- ``sweep_report``: a sweep's plots (figure against a swept key, curves per group) and its HTML page.
+
+The HTML report, the tables over many runs and a sweep's plots are the lab's (``asyncrl.lab.report``,
+``asyncrl.lab.aggregate``, ``asyncrl.lab.sweep_report``): they read what these modules write.
 """

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -27,7 +27,20 @@ from asyncrl.telemetry.staleness import TOKEN_LAG_COUNTS, per_bucket, token_lag_
 
 if TYPE_CHECKING:
     from asyncrl.checkpoint import Restored
-    from asyncrl.learner import LearnerSpec
+    from asyncrl.config import RunConfig
+
+
+class LoggerSpec(Protocol):
+    """What ``StepLogger`` reads of the learner's ``asyncrl.learner.LearnerSpec`` (a protocol: the
+    learner imports this module, so this module does not import the learner)."""
+
+    cfg: RunConfig
+    run_dir: str
+    student_dir: str
+    teacher_dir: str | None
+    eval_prompts: list[tuple[str, str]]
+    agreement_prompts: list[list[int]] | None
+
 
 #: bookkeeping and timing columns copied from the batch into samples.parquet when present: the
 #: block's position in the stream, the learner version at its admission and the version the
@@ -155,7 +168,7 @@ class StepLogger:
     """
 
     def __init__(
-        self, spec: LearnerSpec, comm: Collectives, model: torch.nn.Module, *, resumed: Restored | None = None
+        self, spec: LoggerSpec, comm: Collectives, model: torch.nn.Module, *, resumed: Restored | None = None
     ) -> None:
         """``spec``: the ``LearnerSpec`` (config, run directory, student, held-out prompts); ``model``:
         the student, evaluated as it trains; ``resumed``: the ``checkpoint.Restored`` the run resumed

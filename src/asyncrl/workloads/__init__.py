@@ -1,21 +1,21 @@
-"""Workloads: real presets, synthetic tasks, built-in tokenizers, tiny model presets, pretraining.
+"""Workloads: tasks, prompt files, tokenizers, model presets, checkpoints, evaluation, real presets.
 
-No model hub is reachable, so ``asyncrl pretrain`` trains a small teacher and a weaker
-student (``transformers`` Llama/GPT-2 built from a config) on a built-in task and caches
-them as ordinary HF checkpoints; any ``AutoModelForCausalLM`` + tokenizer on disk plugs in
-the same way (``load_pair``).
+Any ``AutoModelForCausalLM`` + tokenizer on disk plugs in (``load_pair``); without one, a run
+uses a preset pair cached under ``workload.cache_dir``. The built-in synthetic tasks and tiny
+model presets, and ``asyncrl pretrain`` that trains them, are the lab's (``asyncrl.lab.tasks``,
+``asyncrl.lab.presets``, ``asyncrl.lab.pretrain``): they register into ``TASKS`` and ``PRESETS``
+here through the ``asyncrl.task`` and ``asyncrl.preset`` entry points, and this package never
+imports them.
 
 Modules: ``tasks`` (Task protocol, TASKS, rewards, prompt encoding through the tokenizer's chat
 template, answer token budgets), ``prompts`` (prompt files: Parquet / JSONL / datasets folders,
 ``prompt`` or chat ``messages``, metadata for the reward), ``tokenizer`` (char and Qwen BPE
-tokenizers, TOKENIZERS), ``presets`` (PRESETS, per-task overrides, build_model), ``pretrain``,
+tokenizers, TOKENIZERS), ``models`` (PRESETS, the run's tokenizer before any model loads),
 ``evaluate`` (greedy exact match; the agreement eval's actor), ``agreement`` (evaluation without a
 verifier: the student's agreement with its teacher), ``checkpoints`` (save / check / load_pair),
 ``gguf`` (GGUF files as checkpoints), ``real`` (real presets: a pretrained teacher, a student pruned
 from it and chat prompts, from registry packages; ``asyncrl prepare``).
-Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light. The
-``pretrain`` function lives in (and is not re-exported over) the ``pretrain`` submodule:
-``from asyncrl.workloads.pretrain import pretrain``.
+Names are imported lazily so ``import asyncrl.workloads.tasks`` stays light.
 """
 
 from __future__ import annotations
@@ -30,20 +30,14 @@ _EXPORTS = {
     "get_task": "tasks",
     "reward_function": "tasks",
     "PromptSource": "prompts",
-    "load_prompts": "tasks",
+    "load_prompts": "prompts",
     "encode_prompts": "tasks",
     "prompt_token_ids": "tasks",
     "answer_token_budget": "tasks",
     "char_tokenizer": "tokenizer",
     "qwen_tokenizer": "tokenizer",
     "TOKENIZERS": "tokenizer",
-    "PRESETS": "presets",
-    "Preset": "presets",
-    "ModelSpec": "presets",
-    "build_model": "presets",
-    "get_preset": "presets",
-    "PretrainResult": "pretrain",
-    "PretrainError": "pretrain",
+    "PRESETS": "models",
     "exact_match": "evaluate",
     "AgreementEvaluator": "agreement",
     "REAL_PRESETS": "real",

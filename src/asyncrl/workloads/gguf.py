@@ -323,14 +323,12 @@ def _lock(target: Path):
 def _versions(torch: Any, transformers: Any) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    from asyncrl import __version__
-
     try:
         gguf_version = version("gguf")
     except PackageNotFoundError:
         gguf_version = "unknown"
     return {
-        "asyncrl": __version__,
+        "asyncrl": version("asyncrl"),  # asyncrl.__version__, without importing the package's API
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "gguf": gguf_version,

@@ -26,9 +26,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from asyncrl.telemetry import aggregate as agg
-from asyncrl.telemetry import names
-from asyncrl.telemetry.report import (
+from asyncrl.lab import aggregate as agg
+from asyncrl.lab.report import (
     RunRecords,
     color,
     figure_section,
@@ -38,6 +37,7 @@ from asyncrl.telemetry.report import (
     not_recorded,
     panel_sections,
 )
+from asyncrl.telemetry import names
 from asyncrl.telemetry.sinks import read_metrics
 
 __all__ = [

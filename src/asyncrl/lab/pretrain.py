@@ -42,10 +42,11 @@ from typing import Any
 
 import torch
 
+from asyncrl.lab.presets import Preset, Schedule, build_model, get_preset, num_parameters
 from asyncrl.tied import copy_once
 from asyncrl.workloads.checkpoints import load_pair, missing_parts, read_meta, run_dir_for, save_checkpoint
 from asyncrl.workloads.evaluate import exact_match
-from asyncrl.workloads.presets import Preset, Schedule, build_model, get_preset, num_parameters
+from asyncrl.workloads.models import workload_tokenizer
 from asyncrl.workloads.tasks import Example, Task, answer_token_budget, get_task, prompt_token_ids
 from asyncrl.workloads.tokenizer import TOKENIZERS
 
@@ -83,56 +84,6 @@ class PretrainResult:
     reused: bool = False
     teacher_steps: int = 0
     student_steps: int = 0
-
-
-def workload_tokenizer(
-    task: str,
-    preset: str,
-    *,
-    cache_dir: str | Path = ".asyncrl_cache",
-    seed: int = 0,
-    student_path: str | Path | None = None,
-) -> Any:
-    """The tokenizer a run uses: ``student_path``'s, else the cached pretrained student's, else
-    (not pretrained yet) the one the preset's models will be saved with. Loads nothing but
-    tokenizer files, so configs can be resolved before any model exists."""
-    from asyncrl.workloads.checkpoints import shared_tokenizer
-
-    if student_path is not None:  # a .gguf file: its converted directory (converted once, cached)
-        from asyncrl.workloads.gguf import materialize
-
-        student_path = materialize(student_path, cache_dir, field="workload.student_path")
-        return _load_tokenizer(student_path, "workload.student_path")
-    task_name = get_task(task).name
-    preset_obj = get_preset(preset)
-    student = run_dir_for(task_name, preset_obj.name, seed, cache_dir) / "student"
-    if not missing_parts(student):
-        return shared_tokenizer(student)
-    return TOKENIZERS.get(preset_obj.tokenizer).build()
-
-
-def _load_tokenizer(path: str | Path, what: str) -> Any:
-    """``path``'s tokenizer; a path that is not a directory with tokenizer files is a ConfigError
-    naming the field (``what``) and the fix."""
-    from asyncrl.configurable import ConfigError
-    from asyncrl.workloads.checkpoints import shared_tokenizer
-
-    if not str(path).strip() or not Path(path).is_dir():
-        raise ConfigError(
-            what,
-            str(path),
-            "not a directory; give a checkpoint directory saved with save_pretrained, or set "
-            "sampling.max_new_tokens to a number",
-        )
-    try:
-        return shared_tokenizer(path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(
-            what,
-            str(path),
-            f"no loadable tokenizer ({' '.join(str(err).split())[:120]}); save one there with "
-            f"tokenizer.save_pretrained(dir), or set sampling.max_new_tokens to a number",
-        ) from err
 
 
 def pretrain(
@@ -260,12 +211,12 @@ def _pretrain(
                     progress=bar,
                 )
         except PretrainError as err:
-            raise PretrainError(f"{where}: {err} (asyncrl/workloads/presets.py, Preset.per_task)") from None
+            raise PretrainError(f"{where}: {err} (asyncrl/lab/presets.py, Preset.per_task)") from None
         if role == "teacher" and acc < schedule.stop_at:
             raise PretrainError(
                 f"{where}: the teacher reached exact match {acc:.3f} < teacher_schedule.stop_at="
                 f"{schedule.stop_at} after {steps} steps; raise teacher_schedule.max_steps or use a larger "
-                f"teacher (asyncrl/workloads/presets.py, Preset.per_task)"
+                f"teacher (asyncrl/lab/presets.py, Preset.per_task)"
             )
         meta = _meta(task_obj, preset_obj, role, spec, schedule, seed, acc, steps, time.perf_counter() - ts)
         save_checkpoint(model, tokenizer, root / role, meta)

@@ -4,7 +4,7 @@ No model hub is reachable, so the built-in teacher and student are small ``trans
 models built from a config (``LlamaForCausalLM``, ``GPT2LMHeadModel`` or ``Qwen3ForCausalLM``),
 float32, with the special ids of the preset's tokenizer (``TOKENIZERS``: ``char`` or ``qwen``).
 A preset pairs a teacher with a deliberately weaker student and says how long
-``asyncrl.workloads.pretrain`` trains each; ``Preset.for_task`` applies per-task overrides
+``asyncrl.lab.pretrain`` trains each; ``Preset.for_task`` applies per-task overrides
 (model shapes, schedules) where a task needs a different student or budget than the preset's
 defaults (e.g. ``running_sum``: the default 2-layer, 1-head student never leaves the
 loss plateau, so its student is a 1-layer, 2-head model that learns it gradually):
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from asyncrl.registry import Registry
+from asyncrl.workloads.models import PRESETS
 from asyncrl.workloads.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 Arch = Literal["llama", "gpt2", "qwen3"]
@@ -114,12 +114,9 @@ class Preset:
             raise ValueError(
                 f"preset {self.name!r} has no pretraining budget for task {task!r}: {over}; give it one "
                 f"with Preset.per_task[{task!r}] (teacher/student shapes and schedules, "
-                f"asyncrl/workloads/presets.py) or use another task"
+                f"asyncrl/lab/presets.py) or use another task"
             )
         return dataclasses.replace(self, **dict(over), per_task={})
-
-
-PRESETS: Registry[Preset] = Registry("preset")
 
 
 def _add(preset: Preset) -> None:
@@ -247,7 +244,7 @@ def get_preset(preset: str | Preset) -> Preset:
     """A ``Preset`` by registered name (unknown names raise with the nearest names) or as given."""
     obj = PRESETS.get(preset) if isinstance(preset, str) else preset
     if not isinstance(obj, Preset):
-        raise TypeError(f"{preset!r} is not an asyncrl.workloads.presets.Preset")
+        raise TypeError(f"{preset!r} is not an asyncrl.lab.presets.Preset")
     return obj
 
 

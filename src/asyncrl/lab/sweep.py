@@ -55,10 +55,10 @@ import yaml
 
 from asyncrl.config import RunConfig, load_config, parse_override
 from asyncrl.configurable import ConfigError, field, from_dict, to_dict
+from asyncrl.lab.sweep_report import SweepOutputs
 from asyncrl.registry import RegistryError
 from asyncrl.telemetry import names
 from asyncrl.telemetry.sinks import read_summary
-from asyncrl.telemetry.sweep_report import SweepOutputs
 
 __all__ = [
     "AggregateSpec",
@@ -750,7 +750,7 @@ def _table_value(cell: Cell, key: str) -> Any:
 def aggregate_sweep(sweep: Sweep, results: Mapping[str, CellResult] | None = None) -> SweepOutputs:
     """Write the tables, the plots and the HTML report of what the sweep directory holds now (cells
     not done yet are listed with their status and left out of the figures)."""
-    from asyncrl.telemetry.sweep_report import write_sweep_report
+    from asyncrl.lab.sweep_report import write_sweep_report
 
     results = results or {}
     rows, statuses = [], {}
