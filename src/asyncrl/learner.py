@@ -44,7 +44,7 @@ from asyncrl import records as R
 from asyncrl.backends import learner_backend
 from asyncrl.collectives import Collectives
 from asyncrl.config import RunConfig
-from asyncrl.controllers import build_chain
+from asyncrl.controllers import BoundedStaleness, build_chain
 from asyncrl.coordinator import (
     PUBLISH_BYTES,
     PUBLISH_SNAPSHOT_S,
@@ -56,7 +56,6 @@ from asyncrl.coordinator import (
 from asyncrl.estimators import build as build_estimator
 from asyncrl.faults import NO_FAULTS, Faults, InjectedNaN
 from asyncrl.lora import policy_state, state_bytes
-from asyncrl.plan import kept_versions
 from asyncrl.provenance import ProvenanceCheck, ProvenanceError
 from asyncrl.rollouts import RunAhead, StreamFailed, rollout_batches, started_early, taken
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
@@ -225,7 +224,7 @@ class Learner:
         self.guard = NumericsGuard(tc.max_nonfinite_steps)
         self.injected_nan = InjectedNaN(spec.faults, backend.module)  # faults.nonfinite_step
         self.gradients = LearnerGradients(cfg, backend.module, self.parts.estimator, rank0=self.rank0)
-        pc = cfg.pipeline
+        pc, bound = cfg.pipeline, BoundedStaleness.from_config(cfg)
         self.store = PolicyStoreClient.connect(
             spec.namespace, timeout_s=pc.rpc_timeout_s, name=spec.store_name
         )
@@ -235,12 +234,12 @@ class Learner:
         #: version v and the thread's read of v, this learner can finish the batch it trains and the
         #: one the thread handed over (``RunAhead`` depth 1): 2 N steps (N = train.minibatches), so v
         #: is kept for that many steps on top of the store's own ``kept_versions``
-        colocated_thread = spec.colocated is not None and pc.max_lag > 0
-        keep = kept_versions(cfg) + 2 * tc.minibatches
+        colocated_thread = spec.colocated is not None and not bound.synchronous
+        keep = bound.kept_versions + 2 * tc.minibatches
         self.local = LocalWeights(keep=keep) if colocated_thread else None
         self.steps = StepLogger(spec, self.comm, backend.module, resumed=restored)
         #: the fingerprints of the versions a consumed block may carry (every rank checks its own)
-        keep_fp = kept_versions(cfg) + pc.max_lag + 2 * tc.minibatches + 2
+        keep_fp = bound.kept_versions + bound.max_lag + 2 * tc.minibatches + 2
         self.provenance = ProvenanceCheck(pc.provenance, keep=keep_fp)
         self.published: dict[str, float] = {}  # the last publication's size and snapshot time (rank 0)
 
