@@ -1,7 +1,7 @@
 """The staleness bound as one object (``BoundedStaleness``): every question the rest of the code
 asks about ``pipeline.max_lag`` (admissible lags, per sample and per token; the versions the
 PolicyStore keeps; rollout batches in flight; the fixed-lag version; stream sizing) is answered by
-it, and each answer equals the raw formula it replaced."""
+it, and each answer equals the raw formula it replaced. The learner stays a one-screen recipe."""
 
 from __future__ import annotations
 
@@ -179,3 +179,8 @@ def test_no_module_reads_the_raw_bound_for_a_decision():
     assert not re.findall(r"cfg\.pipeline\.max_lag\b", re.sub(r'f?"[^"\n]*"', "", plan))  # messages only
     pipeline = (SRC / "pipeline.py").read_text()
     assert re.findall(r"\bpc\.max_lag\b", pipeline) == ["pc.max_lag"]  # the summary's label
+
+
+def test_the_learner_stays_a_one_screen_recipe():
+    lines = (SRC / "learner.py").read_text().splitlines()
+    assert len(lines) <= 260, f"asyncrl/learner.py has {len(lines)} lines: keep it a recipe (<= ~250)"
