@@ -47,16 +47,9 @@ class LearnerObserver(Protocol):
 
     def after_step(self, result: Any) -> dict[str, float]: ...
 
-    def on_step(
-        self,
-        batch: Mapping[str, Any],
-        result: Any,
-        version: int,
-        *,
-        t_got: float,
-        t_computed: float,
-        extra: dict[str, float],
-    ) -> None: ...
+    def on_step(self, batch: Mapping[str, Any], result: Any, version: int, **times_extra: Any) -> None:
+        """After the step's publication; keywords ``t_got``, ``t_computed`` (perf_counter seconds:
+        data arrived, step computed) and ``extra`` (metrics to log with the step)."""
 
     def on_checkpoint(self) -> None: ...
 
