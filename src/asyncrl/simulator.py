@@ -285,7 +285,7 @@ class _Sim:
         elif cfg.gen_dist == "fixed":
             base = np.full(n, cfg.gen_mean)
         elif cfg.gen_dist == "adversarial":  # later blocks finish first; every 5th straggles
-            if k % 5 == 4:
+            if k % 5 == 4:  # past every batch the bound lets run ahead: 4 (S + 2) mean times
                 t = cfg.gen_mean * 4 * (self.bound.batches_ahead + 1)
             else:
                 t = cfg.gen_mean * (1 + (-k) % cfg.generators) / cfg.generators

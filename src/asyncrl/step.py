@@ -84,7 +84,12 @@ class StepOptions:
         """A ``RunConfig``'s ``train.grad_clip``, ``train.logits_chunk``, ``train.precision`` and
         ``sampling.temperature``."""
         tc = cfg.train
-        return cls(tc.grad_clip, tc.logits_chunk, cfg.sampling.temperature, tc.precision)
+        return cls(
+            grad_clip=tc.grad_clip,
+            logits_chunk=tc.logits_chunk,
+            temperature=cfg.sampling.temperature,
+            precision=tc.precision,
+        )
 
 
 #: ``train.precision`` -> the autocast dtype of the student's forward (None: no autocast)
