@@ -460,7 +460,7 @@ def test_cache_frozen_rules(gen: Any, tmp_path: Path, mc_bias: float, verdict: s
 def test_unbiased_is_three_way(gen: Any) -> None:
     """A one-sided interval of bias² / |g|² below the tolerance: unbiased; above it: biased; one that
     straddles it (too little power, e.g. m = 1 with 5 seeds) is inconclusive, not a failure."""
-    from asyncrl.telemetry.stats import Interval
+    from asyncrl.lab.stats import Interval
 
     tol = gen.BIAS_TOL
     assert gen.unbiased_within(Interval(0.0, -0.002, 0.5 * tol, 5, 0.95), tol) is True

@@ -56,7 +56,7 @@ import ray
 import torch
 
 from asyncrl.controllers.admission import AdmissionBudget
-from asyncrl.lora import policy_state
+from asyncrl.lora import policy_state, state_bytes
 from asyncrl.tied import copy_once, tied_aliases
 
 STORE_NAME = "asyncrl-policy-store"
@@ -609,3 +609,68 @@ def unpack_weights(packed: Mapping[str, PackedTensor]) -> dict[str, torch.Tensor
                 raise ValueError(f"packed weights: {key!r} is tied to {entry!r}, which was not packed")
             out[key] = out[entry]
     return {key: out[key] for key in packed}  # the packed order
+
+
+class LearnerPublication:
+    """A learner worker's side of weight publication: rank 0 tells the PolicyStore each new version
+    (the snapshot taken now, the put and the store call in a ``BackgroundPublisher`` thread, its
+    size and snapshot time in ``metrics``); in a colocated run (``pipeline.colocate``) no weights
+    travel: the engines sample from the learner's model (in step), or, with a rollout thread
+    (``local_keep`` not None), every rank keeps its own snapshots in ``local`` (``LocalWeights``).
+    Every rank records each version's fingerprint in ``provenance`` (``asyncrl.provenance``)."""
+
+    def __init__(
+        self,
+        store: PolicyStoreClient,
+        model: torch.nn.Module,
+        provenance: Any,
+        *,
+        rank0: bool,
+        colocated: bool,
+        local_keep: int | None = None,
+    ) -> None:
+        self.store, self.model, self.rank0, self.colocated = store, model, rank0, colocated
+        self.provenance = provenance
+        self.publisher = BackgroundPublisher(store) if rank0 else None
+        self.local = LocalWeights(keep=local_keep) if local_keep is not None else None
+        self.metrics: dict[str, float] = {}  # the last publication's size and snapshot time (rank 0)
+
+    def start(self, version: int) -> None:
+        """The starting weights: admission opens."""
+        self.keep_local(version)
+        self.provenance.record(version, policy_state(self.model))
+        if self.rank0:
+            self.store.start(self.weights(), version)
+
+    def publish(self, version: int, *, stepped: bool, consumed: tuple[int, int] | None) -> None:
+        """After a step (``stepped``) and/or releasing a rollout batch (``consumed``, in the same call)."""
+        if stepped:
+            self.keep_local(version)
+            self.provenance.record(version, policy_state(self.model))
+        if self.rank0 and (stepped or consumed is not None):
+            t0 = time.perf_counter()
+            weights = self.weights()
+            if weights is not None:
+                self.metrics = {
+                    PUBLISH_BYTES: float(state_bytes(weights)),
+                    PUBLISH_SNAPSHOT_S: time.perf_counter() - t0,
+                }
+            self.publisher.submit(weights, version, consumed)
+
+    def keep_local(self, version: int) -> None:
+        """Every rank: this version's snapshot for the rollout thread of this process, if it has one."""
+        if self.local is not None:
+            self.local.put(version, publishable_state(self.model))
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """What the store ships to the engines; None in a colocated run (see the class)."""
+        return None if self.colocated else publishable_state(self.model)
+
+    def books(self) -> dict[str, Any] | None:
+        """Rank 0: the store's books after every publication so far (what a checkpoint saves)."""
+        return self.publisher.books() if self.rank0 else None
+
+    def close(self) -> None:
+        if self.rank0:
+            self.publisher.close()
+            self.store.close()

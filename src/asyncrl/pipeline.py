@@ -613,9 +613,10 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
     from ray.train.torch import TorchConfig
 
     from asyncrl import checkpoint
+    from asyncrl.controllers.bounded import BoundedStaleness
     from asyncrl.coordinator import PolicyStore
     from asyncrl.learner import LearnerSpec, train_loop_per_worker
-    from asyncrl.plan import check_cpus, check_gpus, kept_versions
+    from asyncrl.plan import check_cpus, check_gpus
     from asyncrl.ray_internals import is_local, torch_trainer
     from asyncrl.rollouts import StreamFailed
     from asyncrl.telemetry import names as N
@@ -635,7 +636,7 @@ def run(cfg: RunConfig | str | Path, *, display: Display | None = None) -> RunRe
             cfg.train.batch_size,
             blocks_per_rollout=pc.learner_workers,
             versions_per_rollout=cfg.train.minibatches,
-            keep_versions=kept_versions(cfg),
+            keep_versions=BoundedStaleness.from_config(cfg).kept_versions,
             books_path=str(run_dir / BOOKS_FILE),
             resume_books=plan.resume_dir is not None,
         )

@@ -27,6 +27,7 @@ import numpy as np
 from asyncrl import records as R
 from asyncrl.config import RunConfig
 from asyncrl.configurable import ConfigError, to_dict
+from asyncrl.controllers.bounded import BoundedStaleness
 from asyncrl.raysetup import local_cpus
 from asyncrl.stream import WIDTH_SAMPLE, BlockCutter
 from asyncrl.workloads.prompts import PromptSource
@@ -76,16 +77,7 @@ def controller_specs(cfg: RunConfig) -> list[tuple[str, dict[str, Any]]]:
                 f"(={cfg.pipeline.max_lag}) and pipeline.lag_mode; remove it from controllers: and set "
                 f"those instead (e.g. pipeline.max_lag={c.options.get('max_lag', cfg.pipeline.max_lag)})"
             )
-    bound = {"max_lag": cfg.pipeline.max_lag, "mode": cfg.pipeline.lag_mode}
-    return [("bounded_staleness", bound)] + [(c.name, dict(c.options)) for c in cfg.controllers]
-
-
-def kept_versions(cfg: RunConfig) -> int:
-    """Past weight versions the PolicyStore must keep fetchable: a fixed-lag run generates up to
-    ``S + N - 1`` versions back (N mini-batch steps per rollout batch); otherwise only the latest."""
-    if cfg.pipeline.lag_mode == "fixed":
-        return cfg.pipeline.max_lag + cfg.train.minibatches
-    return 0
+    return [BoundedStaleness.from_config(cfg).spec()] + [(c.name, dict(c.options)) for c in cfg.controllers]
 
 
 # --- models ----------------------------------------------------------------------------------------
@@ -464,10 +456,10 @@ def eval_plan(cfg: RunConfig, models: ModelPaths, examples: list[Any]) -> EvalPl
 
 
 def stream_blocks(cfg: RunConfig) -> int:
-    """Blocks the stream offers a run: every rollout batch, the ``max_lag`` ahead and a margin,
-    plus a quarter for dropped samples."""
+    """Blocks the stream offers a run: every rollout batch, the batches the bound lets run ahead
+    (``BoundedStaleness.batches_ahead``) and one more, plus a quarter for dropped samples."""
     tc, pc = cfg.train, cfg.pipeline
-    need = (tc.steps // tc.minibatches + pc.max_lag + 2) * tc.batch_size
+    need = (tc.steps // tc.minibatches + BoundedStaleness.from_config(cfg).batches_ahead + 1) * tc.batch_size
     need = int(need * 1.25) + tc.batch_size
     return need // (tc.batch_size // pc.learner_workers)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from asyncrl import records as R
 
 T = TypeVar("T")
+Batch = dict[str, np.ndarray]  # one rollout (or prompt) block: column -> array
 
 
 class StreamFailed(RuntimeError):
@@ -94,6 +95,29 @@ def taken(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``batch`` stamped with the time the learner took it (``consumed_at``, a sample's last hop)."""
     batch["consumed_at"] = np.full(len(batch[R.SAMPLE_ID]), time.time())
     return batch
+
+
+def colocated_rollouts(
+    stages: Any,
+    prompts: Iterator[dict[str, np.ndarray]],
+    *,
+    model: Any,
+    version: Callable[[], int],
+    local: Any,
+) -> tuple[Iterator[dict[str, np.ndarray]], RunAhead[dict[str, np.ndarray]] | None]:
+    """A colocated learner's rollout batches from its prompt blocks (``asyncrl.stages.Colocated``,
+    ``stages``: the pipeline's ``StageSpecs``), and the thread that makes them (None: in step).
+    ``local`` None: in step, from the learner's ``model`` at ``version()`` as each block is taken;
+    else by a thread beside the step (``RunAhead`` depth 1), on its own engine reading this rank's
+    weights (``LocalWeights``)."""
+    from asyncrl.stages import Colocated
+
+    if local is None:
+        rollout = Colocated(stages, model)
+        return (taken(rollout(p, version())) for p in prompts), None
+    rollout = Colocated(stages, weights=local)
+    ahead = RunAhead((rollout(p) for p in prompts), depth=1)
+    return (taken(b) for b in ahead), ahead
 
 
 def started_early(items: Iterator[T]) -> Iterator[T]:

@@ -79,6 +79,18 @@ class StepOptions:
         if self.precision not in PRECISIONS:
             raise ValueError(f"StepOptions.precision={self.precision!r}: use one of {sorted(PRECISIONS)}")
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> StepOptions:
+        """A ``RunConfig``'s ``train.grad_clip``, ``train.logits_chunk``, ``train.precision`` and
+        ``sampling.temperature``."""
+        tc = cfg.train
+        return cls(
+            grad_clip=tc.grad_clip,
+            logits_chunk=tc.logits_chunk,
+            temperature=cfg.sampling.temperature,
+            precision=tc.precision,
+        )
+
 
 #: ``train.precision`` -> the autocast dtype of the student's forward (None: no autocast)
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}

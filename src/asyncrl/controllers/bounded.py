@@ -19,6 +19,13 @@ Two mechanisms, because either alone is not enough (spec section 0.1):
 version to ``expected_version - S``: each batch after the first S is trained at exactly lag
 S, whatever the machine's timing (``bound`` only guarantees ``<= S``).
 
+**The one owner of the bound.** ``pipeline.max_lag`` is the bound's one declaration;
+``BoundedStaleness.from_config(cfg)`` builds it (with ``pipeline.lag_mode`` and
+``train.minibatches``), and every reader asks the object instead of the number: the controller
+chain (``spec``), the PolicyStore (``kept_versions``), the stream's sizing (``batches_ahead``), the
+learner (``synchronous``, ``kept_versions``) and the simulator. ``admissible`` / ``admissible_tokens``
+state the rule per sample and per token; ``batches_in_flight`` what admission allows.
+
 Drops are counted with a reason (``lag``: the sample itself was too old; ``group``: a member
 of its group was), never silent. ``straggler="accept_and_log"`` keeps late samples and
 counts them as ``staleness/violations`` instead (AReaL/SkyRL behaviour; voids the guarantee).
@@ -26,6 +33,7 @@ counts them as ``staleness/violations`` instead (AReaL/SkyRL behaviour; voids th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -50,6 +58,11 @@ class BoundedStalenessConfig:
         "bound",
         help="bound: lag <= S; fixed: every batch after the first S is generated exactly S versions back",
     )
+    minibatches: int = field(
+        1,
+        help="N: optimizer steps per rollout batch (train.minibatches); sets the versions the PolicyStore "
+        "keeps (fixed mode) and the rollout batches in flight",
+    )
 
     def __post_init__(self) -> None:
         check(
@@ -65,11 +78,12 @@ class BoundedStalenessConfig:
             "use 'drop' or 'accept_and_log'",
         )
         check(self.mode in ("bound", "fixed"), "mode", self.mode, "use 'bound' or 'fixed'")
-
-
-def capacity(max_lag: int, batch_size: int) -> int:
-    """Samples that may be started-but-untrained at once: ``(S + 1) B``."""
-    return (max_lag + 1) * batch_size
+        check(
+            isinstance(self.minibatches, int) and self.minibatches >= 1,
+            "minibatches",
+            self.minibatches,
+            "use an integer >= 1 (optimizer steps per rollout batch)",
+        )
 
 
 @CONTROLLERS.register("bounded_staleness")
@@ -86,26 +100,84 @@ class BoundedStaleness:
     name = "bounded_staleness"
     Config = BoundedStalenessConfig
 
-    def __init__(self, max_lag: int = 2, straggler: Straggler = "drop", mode: LagMode = "bound") -> None:
-        self.config = BoundedStalenessConfig(max_lag=max_lag, straggler=straggler, mode=mode)
+    def __init__(
+        self, max_lag: int = 2, straggler: Straggler = "drop", mode: LagMode = "bound", minibatches: int = 1
+    ) -> None:
+        self.config = BoundedStalenessConfig(
+            max_lag=max_lag, straggler=straggler, mode=mode, minibatches=minibatches
+        )
         self.drops = DropCounter()
         self.violations_total = 0
         self._window: dict[str, float] = {}
         self._new_window = False
 
+    @classmethod
+    def from_config(cls, cfg: Any) -> BoundedStaleness:
+        """The run's bound, built from ``pipeline.max_lag`` (its one declaration), ``pipeline.lag_mode``
+        and ``train.minibatches`` of a ``RunConfig``: what plan, pipeline and learner ask."""
+        return cls(cfg.pipeline.max_lag, mode=cfg.pipeline.lag_mode, minibatches=cfg.train.minibatches)
+
+    def spec(self) -> tuple[str, dict[str, Any]]:
+        """``(name, options)`` that rebuild this bound in another process (``build_chain``)."""
+        return self.name, dataclasses.asdict(self.config)
+
+    # --- the questions the rest of the code asks (DESIGN.md section 2) ------------------------------
     @property
     def max_lag(self) -> int:
+        """S: the largest lag (optimizer steps) a trained sample, or token, may have."""
         return self.config.max_lag
 
+    @property
+    def synchronous(self) -> bool:
+        """S = 0: lock-step, strictly on-policy (one step of work in flight)."""
+        return self.config.max_lag == 0
+
+    def admissible(self, lag: Any) -> Any:
+        """Whether a lag (an int or an array of them) is within the bound: ``lag <= S``."""
+        return lag <= self.config.max_lag
+
+    def admissible_tokens(self, token_versions: Any, mask: Any, learner_version: int) -> np.ndarray:
+        """[B] bool: every valid token of each row has lag ``learner_version - token_version <= S``
+        (the per-token bound of in-flight updates; ``token_versions`` [B, T] int, ``mask`` [B, T] bool).
+        Implied by the head-lag gate, since a row's tokens are no older than its first."""
+        versions = np.where(np.asarray(mask, dtype=bool), np.asarray(token_versions), learner_version)
+        return (self.admissible(learner_version - versions)).all(axis=1)
+
+    @property
+    def kept_versions(self) -> int:
+        """Past weight versions the PolicyStore must keep fetchable besides the latest: a fixed-lag
+        run generates up to ``S + N - 1`` versions back (N mini-batch steps per rollout batch)."""
+        c = self.config
+        return c.max_lag + c.minibatches if c.mode == "fixed" else 0
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Most rollout batches started-but-untrained at once: ``ceil(S / N) + 1`` (during a batch's
+        mini-batch steps; ``floor(S / N) + 1`` at a batch boundary). N = 1: the capacity rule
+        ``in_flight + n <= (S + 1) B``."""
+        return -(-self.config.max_lag // self.config.minibatches) + 1
+
+    @property
+    def batches_ahead(self) -> int:
+        """Rollout batches a stream must hold beyond the one training, for every N: ``S + 1``
+        (>= ``batches_in_flight``)."""
+        return self.config.max_lag + 1
+
+    def fixed_lag_version(self, expected_version: int) -> int | None:
+        """``fixed`` mode: the version a block trained at ``expected_version`` is generated with
+        (exactly S back, never before version 0); None in ``bound`` mode (the latest)."""
+        if self.config.mode != "fixed":
+            return None
+        return max(0, expected_version - self.config.max_lag)
+
+    # --- the controller hooks -----------------------------------------------------------------------
     def admit(self, req: AdmissionRequest) -> bool:
         """Start the block only if it will be trained at lag <= S."""
-        return req.expected_lag <= self.max_lag
+        return bool(self.admissible(req.expected_lag))
 
     def behavior_version(self, req: AdmissionRequest) -> int | None:
         """``fixed`` mode: generate with the weights exactly S versions before the training version."""
-        if self.config.mode != "fixed":
-            return None
-        return max(0, req.expected_version - self.max_lag)
+        return self.fixed_lag_version(req.expected_version)
 
     def keep(self, info: SampleInfo, learner_version: int) -> np.ndarray:
         """[N] bool: True iff every member of the sample's group has head lag <= S."""
@@ -120,8 +192,8 @@ class BoundedStaleness:
                 f"{np.asarray(info.sample_id)[lag < 0][:5].tolist()}: "
                 f"versions must come from the learner's counter"
             )
-        own_ok = lag <= self.max_lag
-        group_ok = group_max(lag, info.group_id) <= self.max_lag
+        own_ok = self.admissible(lag)
+        group_ok = self.admissible(group_max(lag, info.group_id))
         if self.config.straggler == "accept_and_log":
             keep = np.ones_like(own_ok)
             n_viol = int((~own_ok).sum())

@@ -123,6 +123,12 @@ class SimConfig:
     def block_size(self) -> int:
         return self.batch_size // self.learner_workers
 
+    @property
+    def bound(self) -> BoundedStaleness:
+        """A fresh ``BoundedStaleness`` from ``max_lag``, ``lag_mode`` and ``minibatches`` (what the
+        run's ``BoundedStaleness.from_config`` builds from the same three keys)."""
+        return BoundedStaleness(self.max_lag, mode=self.lag_mode, minibatches=self.minibatches)
+
 
 @dataclass
 class SimResult:
@@ -219,14 +225,11 @@ class _Sim:
     def __init__(self, cfg: SimConfig, controller: Any | None) -> None:
         self.cfg = cfg
         self.rng = np.random.default_rng(cfg.seed)
-        self.ctrl = (
-            as_controller(controller)
-            if controller is not None
-            else chain(BoundedStaleness(cfg.max_lag, mode=cfg.lag_mode))
-        )
+        self.bound = cfg.bound
+        self.ctrl = as_controller(controller) if controller is not None else chain(self.bound)
         self.budget = self._new_budget()
-        # the PolicyStore keeps S + N past versions in fixed mode (asyncrl.plan.kept_versions)
-        self.keep_versions = cfg.max_lag + cfg.minibatches if cfg.lag_mode == "fixed" else 0
+        # the PolicyStore keeps S + N past versions in fixed mode (BoundedStaleness.kept_versions)
+        self.keep_versions = self.bound.kept_versions
         self.version = 0
         self.t = 0.0
         self.events: list[tuple[float, int, str, tuple[Any, ...]]] = []
@@ -282,8 +285,8 @@ class _Sim:
         elif cfg.gen_dist == "fixed":
             base = np.full(n, cfg.gen_mean)
         elif cfg.gen_dist == "adversarial":  # later blocks finish first; every 5th straggles
-            if k % 5 == 4:
-                t = cfg.gen_mean * 4 * (cfg.max_lag + 2)
+            if k % 5 == 4:  # past every batch the bound lets run ahead: 4 (S + 2) mean times
+                t = cfg.gen_mean * 4 * (self.bound.batches_ahead + 1)
             else:
                 t = cfg.gen_mean * (1 + (-k) % cfg.generators) / cfg.generators
             base = np.full(n, t)
@@ -621,7 +624,7 @@ class _Sim:
 
 def simulate(config: SimConfig | None = None, controller: Any | None = None, **overrides: Any) -> SimResult:
     """Run one simulation. ``controller`` (any object with controller hooks, e.g. a chain) defaults
-    to ``chain(BoundedStaleness(max_lag, mode=lag_mode))``; the budget asks its ``admit`` and
+    to ``chain(config.bound)``; the budget asks its ``admit`` and
     ``behavior_version``, the learner its ``keep``."""
     cfg = config or SimConfig()
     if overrides:
