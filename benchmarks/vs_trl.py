@@ -1122,7 +1122,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {lim['limit'] / ref['steady_samples_per_s']:.2f} | | | | |"
         )
     st = report["stages"]
-    stage_ms = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in st["limits"]["dense"]["stage_s"].items())
+    dense = st["limits"].get("dense")  # no limit rows with --stage-repeats 0
+    stage_ms = (
+        ", ".join(f"{k} {1e3 * v:.1f}" for k, v in dense["stage_s"].items()) if dense else "not measured"
+    )
     p = st["parity"]
     lines += breakdown_lines(report)
     padded = "1e-4: this batch has left-padded prompts (RoPE float error)"
@@ -1297,6 +1300,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if REFERENCE not in medians:
         (out_dir / "vs_trl.json").write_text(json.dumps(report, indent=2))
         raise SystemExit(f"vs_trl: the reference {REFERENCE!r} failed: no ratios; JSON in {out_dir}")
+    (out_dir / "vs_trl.json").write_text(json.dumps(report, indent=2))  # first: a table bug loses nothing
     table = markdown(report)
     if failed:
         table += "\n\nFailed (left out above): " + "; ".join(
