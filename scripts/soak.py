@@ -157,12 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     samples = read_samples(run_dir)
     kept = samples[samples["kept"]]
     batch = 16
-    max_lag = 2  # soak.yaml
     for item in args.overrides:
         if item.startswith("train.batch_size="):
             batch = int(item.split("=", 1)[1])
-        if item.startswith("pipeline.max_lag="):
-            max_lag = int(item.split("=", 1)[1])
     steps_logged = sorted(m["step"] for m in metrics if "loss" in m)
     fired = {p.name for p in (run_dir / "faults").iterdir()} if (run_dir / "faults").is_dir() else set()
     mem = {
@@ -176,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps 1..N once": steps_logged == list(range(1, args.steps + 1)),
         "no sample trained twice": bool(kept["sample_id"].is_unique),
         "N x B trained": len(kept) == args.steps * batch,
-        "token lag <= max_lag": bool((kept["token_lag_max"] <= max_lag).all()),
+        "token lag <= max_lag": "max_lag" in summary
+        and bool((kept["token_lag_max"] <= summary["max_lag"]).all()),
         "ledger balanced": summary.get("ledger_balanced") is True,
         "every fault fired": fired >= {"generator_exit", "scorer_exit", "learner_exit", "nonfinite_step"},
         "driver resumed": summary.get("driver_resumes") == 1,
