@@ -20,6 +20,9 @@ wrote (metrics.jsonl, samples.parquet), steady state = steps after the first two
     python benchmarks/inflight.py --preset tiny --steps 16 --max-lag 2            # quick (CPU)
     python benchmarks/inflight.py --config examples/configs/opd_smollm2.yaml --steps 8 --max-lag 1 2 4 \
         --variants off recompute --agreement 16
+    python benchmarks/inflight.py --config examples/configs/opd_smollm2.yaml --steps 8 --max-lag 2 \
+        --generators 1 --variants off recompute --set sampling.max_new_tokens=256 train.batch_size=8 \
+        sampling.heavy_tail=1.0                                   # heavy-tailed lengths (Pareto budgets)
 
 Writes a JSON line per variant to ``--out`` (default: print only).
 """
@@ -68,6 +71,10 @@ def figures(run_dir: Path, warmup: int = 2) -> dict[str, object]:
         "kl_all": float(kept["kl_behavior_current"].mean()),
         "kl_span": float(kept.loc[span, "kl_behavior_current"].mean()) if span.any() else None,
         "token_lag_max": int(kept["token_lag_max"].max()),
+        "len_p50": float(kept["completion_len"].median()),
+        "len_p90": float(kept["completion_len"].quantile(0.9)),
+        "len_max": int(kept["completion_len"].max()),
+        "padding_frac": float(np.mean([m[N.PADDING_FRAC] for m in steady])),
         "final_loss": steps[-1]["loss"],
     }
 

@@ -182,6 +182,21 @@ def test_output_contract(engine, prompts, tok):
     assert 0 < stopped < len(PROMPTS), "the test model should stop some rows at EOS and not others"
 
 
+def test_heavy_tail_stops_each_row_at_its_budget(engine, prompts, tok):
+    """``sampling.heavy_tail``: a row ends at its first EOS or at its own token budget, never later."""
+    pids, pmask = prompts
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, heavy_tail=0.7)
+    budgets = params.token_budgets(len(PROMPTS), 3).tolist()
+    out = engine.generate(pids, pmask, params, seed=3)
+    cut = 0
+    for r, budget in zip(rows(out), budgets):
+        assert len(r) <= budget
+        if r[-1] != tok.eos_token_id:
+            assert len(r) == budget, "a row without EOS runs to its budget"
+            cut += budget < params.max_new_tokens
+    assert cut > 0, "no row stopped at a budget below max_new_tokens: the test would not see one"
+
+
 def test_deterministic_given_seed(engine, prompts):
     pids, pmask = prompts
     params = SamplingParams(max_new_tokens=12, temperature=1.0)

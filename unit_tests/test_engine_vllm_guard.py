@@ -196,6 +196,17 @@ def test_generate_packs_exact_behavior_logprobs(flat, tau):
     assert len({sp.seed for sp in sps}) == len(sps), "rows must not share a vLLM seed"
 
 
+def test_heavy_tail_gives_each_request_its_own_budget():
+    eng, llm = make_engine()
+    pids, pmask = prompts()
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, heavy_tail=0.8)
+    out = eng.generate(pids, pmask, params, seed=7)
+    budgets = params.token_budgets(len(pids), 7).tolist()
+    assert [sp.max_tokens for sp in llm.calls[-1][1]] == budgets
+    assert (out[records.COMPLETION_MASK].sum(1) <= torch.tensor(budgets)).all()
+    assert len(set(budgets)) > 1
+
+
 def test_generate_greedy_has_point_mass_logprobs():
     eng, llm = make_engine()
     pids, pmask = prompts()

@@ -231,6 +231,7 @@ class Generate:
         self.faults.exit_if("generator_exit", self.admissions)
         self.faults.delay(self.seed, block)
         t_start = time.perf_counter()
+        seed = batch_seed(self.seed, batch[R.SAMPLE_ID])
         try:
             self._sync_weights(admitted)
             prompts = R.to_torch({k: batch[k] for k in (R.PROMPT_IDS, R.PROMPT_MASK)})
@@ -240,13 +241,14 @@ class Generate:
                 prompts[R.PROMPT_IDS],
                 prompts[R.PROMPT_MASK],
                 self.params,
-                seed=batch_seed(self.seed, batch[R.SAMPLE_ID]),
+                seed=seed,
                 **inflight,
             )
         except EngineDeadError as err:
             self._restart_or_fail(err)
         out = pad_rollout(out, self.params.max_new_tokens, getattr(self.engine, "pad_id", 0))
         versions, mask = out[R.TOKEN_VERSIONS], out[R.COMPLETION_MASK]
+        self._check_budgets(mask, seed)
         result = dict(batch)
         result.update(out)
         # first/last version over valid tokens (a sequence can span versions with in-flight updates)
@@ -269,6 +271,23 @@ class Generate:
         result["gen_done_at"] = np.full(n, time.time(), dtype=np.float64)
         result["gen_node"] = np.full(n, node_id(), dtype=object)
         return R.to_numpy(result)
+
+    def _check_budgets(self, mask: torch.Tensor, seed: int) -> None:
+        """With ``sampling.heavy_tail`` every completion must stop within its token budget; an engine
+        that ignores the option would silently run the study without its heavy tail."""
+        budgets = self.params.token_budgets(mask.shape[0], seed)
+        if budgets is None:
+            return
+        lengths = mask.sum(dim=1).cpu().numpy()
+        over = np.flatnonzero(lengths > budgets)
+        if over.size:
+            i = int(over[0])
+            raise ValueError(
+                f"engine {type(self.engine).__name__} ignored sampling.heavy_tail: completion {i} has "
+                f"{int(lengths[i])} tokens, its budget is {int(budgets[i])} "
+                f"(SamplingParams.token_budgets); make the engine stop each row at its budget, or set "
+                f"sampling.heavy_tail=0"
+            )
 
 
 class ScoreReward:

@@ -9,7 +9,8 @@ one pass and is at least as fast as ``generate`` at toy scale (``benchmarks/engi
 Conventions (shared with ``asyncrl.records``): prompts are left-padded; positions are
 ``cumsum(mask) - 1`` (``records.position_ids``), so ``behavior_logprobs`` equal a
 teacher-forced forward pass over prompt+completion (``records.completion_logits``) up to
-float error. A row stops at its first EOS (which is kept and masked valid); later slots
+float error. A row stops at its first EOS (which is kept and masked valid), or after its
+token budget with ``sampling.heavy_tail`` (``SamplingParams.token_budgets``); later slots
 hold the pad id and are masked out. The loop ends as soon as every row has finished.
 
 Per step ``t`` with logits ``z_t`` [B, V]:
@@ -356,6 +357,8 @@ class HFEngine:
         draws_out = torch.full((B, N, k), self.pad_id, dtype=torch.int64, device=device)
         logp_out = torch.zeros((B, N, k), dtype=torch.float32, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
+        budgets = params.token_budgets(B, seed)  # heavy_tail: per-row stop after L_i tokens
+        budget = None if budgets is None else torch.as_tensor(budgets, device=device)
 
         dec = LlamaDecoder(self._decode_model) if self.decode_path == "fast" else _ModelDecoder(self)
         logits = dec.start(prompt_ids, prompt_mask, records.position_ids(prompt_mask), N)
@@ -374,6 +377,8 @@ class HFEngine:
             logp_out[:, t] = torch.where(live[:, None], logp, 0.0)
             mask[:, t] = live
             finished = finished | torch.isin(draws[:, 0], eos)
+            if budget is not None:
+                finished = finished | (budget <= t + 1)
             T = t + 1
             if t == N - 1 or bool(finished.all()):
                 break

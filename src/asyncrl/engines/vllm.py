@@ -322,6 +322,8 @@ class VLLMEngine:
             )
         full_vocab = m > 1 and tau > 0
         make = self._sampling_params or import_vllm().SamplingParams
+        budgets = params.token_budgets(len(rows), seed)  # heavy_tail: each request's own max_tokens
+        caps = [params.max_new_tokens] * len(rows) if budgets is None else budgets.tolist()
         requests = [
             make(
                 n=1,
@@ -332,14 +334,14 @@ class VLLMEngine:
                 presence_penalty=0.0,
                 frequency_penalty=0.0,
                 repetition_penalty=1.0,
-                max_tokens=params.max_new_tokens,
+                max_tokens=int(cap),
                 stop_token_ids=list(self.eos_ids),
                 logprobs=(-1 if full_vocab else 0) if tau > 0 else None,
                 flat_logprobs=True,
                 seed=s,
                 detokenize=False,
             )
-            for s in request_seeds(seed, len(rows))
+            for s, cap in zip(request_seeds(seed, len(rows)), caps)
         ]
         with self._dead_engine_guard("generate"):
             outputs = self._llm.generate([{"prompt_token_ids": r} for r in rows], requests, use_tqdm=False)
