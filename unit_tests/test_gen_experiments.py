@@ -39,6 +39,7 @@ def write_sweep(
     algo: str = "opd",
     seeds: tuple[int, ...] = (0, 1, 2),
     status: Callable[[dict[str, Any], int], str] = lambda st, seed: "completed",
+    extra: Callable[[dict[str, Any], int], dict[str, Any]] = lambda st, seed: {},
 ) -> None:
     """A sweep directory as ``asyncrl sweep`` writes it: ``sweep.json`` plus one run directory per cell
     with ``summary.json`` and ``metrics.jsonl``."""
@@ -56,6 +57,7 @@ def write_sweep(
                 "eval_accuracy_final": final(settings, seed),
                 "teacher_accuracy": 0.95,
                 "wall_time_s": 30.0,
+                **extra(settings, seed),
             }
             (run / "summary.json").write_text(json.dumps(summary))
             rows = metrics(settings, seed)
@@ -179,7 +181,9 @@ def test_document_takes_model_accuracies_from_the_runs(gen: Any, tmp_path: Path)
     assert gen.main(["--sweeps-root", str(tmp_path), "--out", str(out), "--plots", str(tmp_path / "p")]) == 0
     text = out.read_text()
     assert "student exact match 0.250, teacher 0.950" in text
-    assert text.count("**Verdict: not run yet.** no evidence in experiments/data (no finished cells)") == 8
+    assert text.count("**Verdict: not run yet.** no evidence in experiments/data (no finished cells)") == len(
+        gen.EXPERIMENTS
+    )  # every sweep but this one's, and the frozen-θ experiment
 
 
 GRPO_VARIANTS = ("none", "truncated_is", "ess_lr", "gradient_alignment", "staleness_lr_law")
@@ -376,6 +380,41 @@ def test_accuracy_at_equal_wall_time(gen: Any, tmp_path: Path, gain: float, verd
     section = gen.accuracy_vs_wall_time(gen.load_sweep(tmp_path, "accuracy_vs_wall_time"), tmp_path / "p")
     assert section.verdict == verdict, section.why
     assert "async − sync at 77 s" in section.why  # async finishes its 100 steps at 10 + 100/1.5 s
+
+
+def real_pair_sweep(root: Path, damage: dict[str, float], noise: float = 0.01) -> None:
+    """Held-out KL 2.5 at S = 0, plus ``damage[variant]`` at the largest lag (linear in S), per-seed noise."""
+    cells = [{"variant": v, "pipeline.max_lag": s} for v in ("forward_kl", "rkl_online") for s in (0, 2, 4)]
+
+    def extra(st: dict[str, Any], seed: int) -> dict[str, Any]:
+        kl = (
+            2.5
+            + damage[st["variant"]] * st["pipeline.max_lag"] / 4
+            + noise * (seed - 1) * st["pipeline.max_lag"]
+        )
+        return {"eval_kl_reverse_initial": 3.4, "eval_kl_reverse_final": kl, "eval_top1_agree_final": 0.3}
+
+    def metrics(st: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+        return [{"step": i, "loss": 1.0} for i in range(1, 21)]
+
+    write_sweep(root, "real_pair", cells, lambda st, seed: math.nan, metrics, extra=extra)
+
+
+@pytest.mark.parametrize(
+    ("damage", "noise", "verdict"),
+    [
+        ({"forward_kl": 0.0, "rkl_online": 0.02}, 0.002, "reproduced"),
+        ({"forward_kl": 0.5, "rkl_online": 0.0}, 0.002, "not reproduced"),  # forward KL hurt by lag
+        ({"forward_kl": 0.0, "rkl_online": 0.05}, 0.05, "inconclusive at this scale"),  # straddles the margin
+    ],
+)
+def test_real_pair_rule(gen: Any, tmp_path: Path, damage: dict, noise: float, verdict: str) -> None:
+    real_pair_sweep(tmp_path, damage, noise)
+    section = gen.real_pair(gen.load_sweep(tmp_path, "real_pair"), tmp_path / "p")
+    assert section.verdict == verdict, section.why
+    assert "KL(S=4) − KL(S=0)" in section.why and "Before training: KL(student‖teacher) 3.400" in "\n".join(
+        section.body
+    )
 
 
 def test_paired_interval_and_t_quantile() -> None:

@@ -59,6 +59,8 @@ EXPORTED_SUMMARY = (
     "teacher_accuracy",
     "reward_mean_first",
     "reward_mean_last",
+    # the agreement eval of runs on prompts without answers (a real pair): first and last evaluation
+    *(f"eval_{k.split('/')[1]}_{w}" for k in N.EVAL_AGREEMENT for w in ("initial", "final")),
 )
 #: metrics.jsonl keys exported per step unless the caller names others (``active/*`` are added)
 DEFAULT_STEP_METRICS = (
