@@ -145,6 +145,90 @@ def tiny_config(run_dir: Path, *overrides: str, config: str = "opd_tiny.yaml") -
     return load_config(REPO / "examples" / "configs" / config, base + list(overrides))
 
 
+def plain_loop_losses(cfg: RunConfig) -> list[float]:
+    """The pipeline's components in one process, no Ray: generate -> score -> loss -> step, with
+    ``train.minibatches`` = N steps per generated batch, each on the next 1/N of its rows. With
+    ``train.lora``: a peft LoRA student whose adapters are shipped to an HF engine that merges them.
+    What the pipeline must reproduce step by step at ``max_lag`` 0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncrl import records as R
+    from asyncrl.caches import CACHES, score_teacher
+    from asyncrl.engines.hf import HFEngine
+    from asyncrl.estimators import build
+    from asyncrl.lora import adapter_state, apply_lora
+    from asyncrl.plan import load_examples, make_plan, prompt_blocks
+    from asyncrl.stages import batch_seed, pad_to
+
+    torch.manual_seed(cfg.seed)
+    plan = make_plan(cfg)
+    models = plan.models
+    lora = cfg.train.lora
+    estimator = build(cfg.estimator.name, dict(cfg.estimator.options))
+    cache = CACHES.get(plan.cache_kind)(**plan.cache_options)
+    tok = AutoTokenizer.from_pretrained(models.student_dir)
+    student = AutoModelForCausalLM.from_pretrained(models.student_dir, dtype=torch.float32)
+    if lora is not None:
+        student = apply_lora(student.eval(), lora, seed=cfg.seed)
+    teacher = AutoModelForCausalLM.from_pretrained(models.teacher_dir, dtype=torch.float32).eval()
+    engine = HFEngine.from_pretrained(models.student_dir, **({"lora": lora.options()} if lora else {}))
+    train_ex, _ = load_examples(cfg)
+    P = max(len(tok(e.prompt)["input_ids"]) for e in train_ex[:2048])
+    blocks = prompt_blocks(cfg, train_ex, tok, P)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    T = cfg.sampling.max_new_tokens
+    losses = []
+    N = cfg.train.minibatches
+    for rollout in range(cfg.train.steps // N):
+        b = blocks[rollout]
+        shipped = adapter_state(student) if lora is not None else student.state_dict()
+        engine.load_weights({k: v.detach().clone() for k, v in shipped.items()}, rollout * N)
+        g = engine.generate(
+            torch.from_numpy(b[R.PROMPT_IDS]),
+            torch.from_numpy(b[R.PROMPT_MASK]),
+            cfg.sampling,
+            seed=batch_seed(cfg.seed, b[R.SAMPLE_ID]),
+        )
+        batch = {
+            R.PROMPT_IDS: torch.from_numpy(b[R.PROMPT_IDS]),
+            R.PROMPT_MASK: torch.from_numpy(b[R.PROMPT_MASK]),
+        }
+        batch[R.COMPLETION_IDS] = pad_to(g[R.COMPLETION_IDS], T, engine.pad_id)
+        batch[R.COMPLETION_MASK] = pad_to(g[R.COMPLETION_MASK], T, False)
+        batch[R.BEHAVIOR_LOGPROBS] = pad_to(g[R.BEHAVIOR_LOGPROBS], T, 0.0)
+        for k in (R.MC_IDS, R.MC_BEHAVIOR_LOGPROBS):
+            if k in g:
+                batch[k] = pad_to(g[k], T, engine.pad_id if k == R.MC_IDS else 0.0)
+        batch.update(score_teacher(teacher, batch, cache, seed=batch_seed(cfg.seed + 1, b[R.SAMPLE_ID])))
+        m = len(b[R.SAMPLE_ID]) // N
+        for k in range(N):
+            step = rollout * N + k
+            mb = {key: col[k * m : (k + 1) * m] for key, col in batch.items()}
+            t_eff = max(int(mb[R.COMPLETION_MASK].sum(1).max()), 1)
+            for key, col in R.COLUMNS.items():
+                if key in mb and len(col.dims) >= 2 and col.dims[1] == "T":
+                    mb[key] = mb[key][:, :t_eff]
+            logits = R.completion_logits(
+                student,
+                mb[R.PROMPT_IDS],
+                mb[R.PROMPT_MASK],
+                mb[R.COMPLETION_IDS],
+                mb[R.COMPLETION_MASK],
+            )
+            out = estimator(logits, mb)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+            warm = cfg.train.warmup_steps
+            for group in opt.param_groups:  # linear warmup, then constant
+                group["lr"] = cfg.train.lr * (min(1.0, (step + 1) / warm) if warm > 0 else 1.0)
+            opt.step()
+            losses.append(float(out.loss.detach()))
+    return losses
+
+
 def check_contract(result, *, steps: int, minibatches: int = 1) -> None:
     """The scale-out contract, from what the run wrote."""
     from asyncrl.telemetry.sinks import read_metrics

@@ -16,6 +16,7 @@ import torch
 from asyncrl.coordinator import (
     BackgroundPublisher,
     CoordinatorError,
+    LearnerPublication,
     LocalWeights,
     PolicyStore,
     PolicyStoreClient,
@@ -105,6 +106,54 @@ def test_publisher_raises_a_failure_on_the_next_call_and_sends_nothing_after_it(
     with pytest.raises(CoordinatorError):
         pub.submit({}, 3, None)
     assert client.calls == [(1, None)]
+
+
+class _StoreClient(_RecordingClient):
+    def start(self, state: dict, version: int) -> None:
+        self.calls.append((version, None))
+
+    def close(self) -> None:
+        pass
+
+
+class _NoProvenance:
+    def record(self, version: int, state: object) -> None:
+        pass
+
+
+def test_publication_hands_the_published_snapshot_to_an_eval_once():
+    """The agreement eval reads the weights published at an eval step (no second copy): the very
+    tensors the store was sent, unchanged by later steps, given once, only for the version asked."""
+    model = torch.nn.Linear(3, 2)
+    client = _StoreClient()
+    pub = LearnerPublication(
+        client, model, _NoProvenance(), rank0=True, colocated=False, keep_snapshot=lambda v: v % 2 == 0
+    )
+    pub.start(0)
+    snap0 = pub.take_snapshot(0)
+    assert snap0 is not None and torch.equal(snap0["weight"], model.weight)
+    assert pub.take_snapshot(0) is None  # given once: its memory is not held after the eval took it
+    pub.publish(1, stepped=True, consumed=None)
+    assert pub.take_snapshot(1) is None  # not an eval step
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    pub.publish(2, stepped=True, consumed=None)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the next step mutates the model in place
+    assert pub.take_snapshot(3) is None  # another version's snapshot is never handed out
+    pub.publish(4, stepped=True, consumed=None)
+    snap4 = pub.take_snapshot(4)
+    assert snap4 is not None and torch.equal(snap4["weight"], model.weight)
+    assert snap4["weight"].data_ptr() != model.weight.data_ptr()
+    assert not torch.equal(snap4["weight"], snap0["weight"])
+    pub.close()
+    assert [v for v, _ in client.calls] == [0, 1, 2, 4]
+    colocated = LearnerPublication(
+        _StoreClient(), model, _NoProvenance(), rank0=True, colocated=True, keep_snapshot=lambda v: True
+    )
+    colocated.start(0)
+    assert colocated.take_snapshot(0) is None  # nothing published: the eval copies itself
+    colocated.close()
 
 
 def _store(max_lag: int):

@@ -46,7 +46,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -628,19 +628,25 @@ class LearnerPublication:
         rank0: bool,
         colocated: bool,
         local_keep: int | None = None,
+        keep_snapshot: Callable[[int], bool] | None = None,
     ) -> None:
         self.store, self.model, self.rank0, self.colocated = store, model, rank0, colocated
         self.provenance = provenance
         self.publisher = BackgroundPublisher(store) if rank0 else None
         self.local = LocalWeights(keep=local_keep) if local_keep is not None else None
         self.metrics: dict[str, float] = {}  # the last publication's size and snapshot time (rank 0)
+        #: versions whose published snapshot another reader wants (the agreement eval): kept until taken
+        self.keep_snapshot = keep_snapshot
+        self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def start(self, version: int) -> None:
         """The starting weights: admission opens."""
         self.keep_local(version)
         self.provenance.record(version, policy_state(self.model))
         if self.rank0:
-            self.store.start(self.weights(), version)
+            weights = self.weights()
+            self._hold(version, weights)
+            self.store.start(weights, version)
 
     def publish(self, version: int, *, stepped: bool, consumed: tuple[int, int] | None) -> None:
         """After a step (``stepped``) and/or releasing a rollout batch (``consumed``, in the same call)."""
@@ -655,7 +661,20 @@ class LearnerPublication:
                     PUBLISH_BYTES: float(state_bytes(weights)),
                     PUBLISH_SNAPSHOT_S: time.perf_counter() - t0,
                 }
+                self._hold(version, weights)
             self.publisher.submit(weights, version, consumed)
+
+    def _hold(self, version: int, weights: dict[str, torch.Tensor] | None) -> None:
+        """Keep this publication's snapshot if asked for, else let go of an untaken one."""
+        wanted = weights is not None and self.keep_snapshot is not None and self.keep_snapshot(version)
+        self._snapshot = (version, weights) if wanted else None
+
+    def take_snapshot(self, version: int) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the snapshot published as ``version`` if ``keep_snapshot`` asked for it (then
+        released), else None. Nobody mutates it (the publisher thread reads it too), so a reader saves
+        a second copy of the weights."""
+        held, self._snapshot = self._snapshot, None
+        return held[1] if held is not None and held[0] == version else None
 
     def keep_local(self, version: int) -> None:
         """Every rank: this version's snapshot for the rollout thread of this process, if it has one."""

@@ -49,6 +49,7 @@ from asyncrl.observers import learner_observer
 from asyncrl.provenance import ProvenanceCheck, ProvenanceError
 from asyncrl.rollouts import Batch, StreamFailed, colocated_rollouts, rollout_batches, started_early
 from asyncrl.step import NumericsGuard, StepOptions, StepParts, loss_step, sample_info, split_minibatches
+from asyncrl.telemetry.steps import eval_due
 from asyncrl.workloads.checkpoints import shared_tokenizer
 
 
@@ -204,11 +205,17 @@ class Learner:
         #: the thread handed over (``RunAhead`` depth 1): 2 N steps more than ``kept_versions``
         colocated = spec.colocated is not None
         keep = bound.kept_versions + 2 * tc.minibatches if colocated and not bound.synchronous else None
+        #: the agreement eval reads the snapshot published at each eval step instead of copying again
+        agreement = self.rank0 and bool(spec.agreement_prompts)
         self.weights = LearnerPublication(
-            store, backend.module, self.provenance, rank0=self.rank0, colocated=colocated, local_keep=keep
-        )
+            store, backend.module, self.provenance, rank0=self.rank0, colocated=colocated, local_keep=keep,
+            keep_snapshot=(lambda v: eval_due(tc, v)) if agreement else None,
+        )  # fmt: skip
         #: telemetry (the step log, gradient diagnostics) and fault injection, as one observer
-        self.observer = learner_observer(spec, self.comm, backend, self.parts.estimator, resumed=restored)
+        self.observer = learner_observer(
+            spec, self.comm, backend, self.parts.estimator, resumed=restored,
+            snapshots=self.weights.take_snapshot,
+        )  # fmt: skip
 
     def start(self, started_at: float) -> None:
         """Publish the starting weights (admission opens), then evaluate them (a fresh run): the first

@@ -161,10 +161,13 @@ class FaultHooks:
             self.faults.exit_if("learner_exit", result.version)
 
 
-def learner_observer(spec: Any, comm: Any, backend: Any, estimator: Any, *, resumed: Any) -> Observers:
+def learner_observer(
+    spec: Any, comm: Any, backend: Any, estimator: Any, *, resumed: Any, snapshots: Any = None
+) -> Observers:
     """A learner worker's observer: ``StepTelemetry`` then ``FaultHooks`` (``spec``: the
-    ``LearnerSpec``; ``resumed``: the ``checkpoint.Restored`` the worker loaded, or None)."""
+    ``LearnerSpec``; ``resumed``: the ``checkpoint.Restored`` the worker loaded, or None;
+    ``snapshots``: ``LearnerPublication.take_snapshot``, the weights published at a version)."""
     rank0, model = comm.rank == 0, backend.module
-    steps = StepLogger(spec, comm, model, resumed=resumed)
+    steps = StepLogger(spec, comm, model, resumed=resumed, snapshots=snapshots)
     gradients = LearnerGradients(spec.cfg, model, estimator, rank0=rank0)
     return Observers(StepTelemetry(steps, gradients, backend), FaultHooks(spec.faults, model, rank0=rank0))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,6 +28,13 @@ from asyncrl.telemetry.staleness import TOKEN_LAG_COUNTS, per_bucket, token_lag_
 if TYPE_CHECKING:
     from asyncrl.checkpoint import Restored
     from asyncrl.config import RunConfig
+
+
+def eval_due(train: Any, version: int) -> bool:
+    """Whether the learner evaluates at ``version`` (``train``: the ``train`` config): every
+    ``eval_every`` steps from step 0 on, and at the last step."""
+    ev = train.eval_every
+    return ev > 0 and (version % ev == 0 or version >= train.steps)
 
 
 class LoggerSpec(Protocol):
@@ -168,14 +175,23 @@ class StepLogger:
     """
 
     def __init__(
-        self, spec: LoggerSpec, comm: Collectives, model: torch.nn.Module, *, resumed: Restored | None = None
+        self,
+        spec: LoggerSpec,
+        comm: Collectives,
+        model: torch.nn.Module,
+        *,
+        resumed: Restored | None = None,
+        snapshots: Callable[[int], Mapping[str, torch.Tensor] | None] | None = None,
     ) -> None:
         """``spec``: the ``LearnerSpec`` (config, run directory, student, held-out prompts); ``model``:
         the student, evaluated as it trains; ``resumed``: the ``checkpoint.Restored`` the run resumed
-        from (the records after its step and the sample rows outside its ledger are dropped)."""
+        from (the records after its step and the sample rows outside its ledger are dropped);
+        ``snapshots``: the weights published at a version, if kept (the agreement eval ships those
+        instead of copying the model again), else None."""
         cfg = self.cfg = spec.cfg
         self.comm = comm
         self.model = model
+        self.snapshots = snapshots
         self.rank0 = comm.rank == 0
         self.pending: dict[str, float] = {}  # counts of consumptions without a step, logged with the next
         self.pending_extra: dict[str, float] = {}  # gradient figures of a batch that took no step
@@ -216,7 +232,7 @@ class StepLogger:
         """Before the first step: a fresh run's eval of the starting weights (step 0)."""
         if self.rank0 and version == 0 and self.cfg.train.eval_every > 0:
             if self.agreement is not None:  # beside the first steps: nothing waits for it
-                self.agreement.submit(0, self.model)
+                self.agreement.submit(0, self.model, snapshot=self._snapshot(0))
             else:
                 self.writer.log_step(0, {N.EVAL_ACCURACY: self.evaluate(), N.TIME_S: 0.0})
 
@@ -275,10 +291,10 @@ class StepLogger:
                 N.PADDING_FRAC: R.padding_fraction(batch),
             }
         )
-        ev, steps = self.cfg.train.eval_every, self.cfg.train.steps
-        due = ev > 0 and (result.version % ev == 0 or result.version >= steps)
+        due = eval_due(self.cfg.train, result.version)
         if self.agreement is not None:
-            metrics.update(self.agreed(result.version, due=due, final=result.version >= steps))
+            final = result.version >= self.cfg.train.steps
+            metrics.update(self.agreed(result.version, due=due, final=final))
         elif due:
             metrics[N.EVAL_ACCURACY] = self.evaluate()
         metrics[N.TIME_S] = time.perf_counter() - self.t_run0
@@ -291,7 +307,7 @@ class StepLogger:
         finished (every one at the ``final`` step, which waits for them: the run is over), write
         each to ``RUN/evals.jsonl``, and return the newest one's figures for the step record."""
         if due:
-            self.agreement.submit(version, self.model, final=final)
+            self.agreement.submit(version, self.model, final=final, snapshot=self._snapshot(version))
         self.agreement.open()  # from the first step on (a no-op after the first call)
         t0 = time.perf_counter()
         done = self.agreement.drain() if final else self.agreement.poll()
@@ -304,6 +320,9 @@ class StepLogger:
                 out[N.EVAL_STEP] = float(res["step"])
                 out["time/eval_s"] = res["seconds"]
         return out
+
+    def _snapshot(self, version: int) -> Mapping[str, torch.Tensor] | None:
+        return self.snapshots(version) if self.snapshots is not None else None
 
     def evaluate(self) -> float:
         acc, dt = self.evaluator(self.model)

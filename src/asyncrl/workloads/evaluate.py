@@ -8,7 +8,7 @@ inside generation. Used by pretraining (stopping rules, reported accuracy) and, 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -113,19 +113,28 @@ class BackgroundAgreement:
         self._waiting: tuple[int, Any, bool] | None = None  # (version, weights ref, final)
         self.eval_time = 0.0
 
-    def submit(self, version: int, model: torch.nn.Module, *, final: bool = False) -> None:
-        """Evaluate ``model``'s weights as they are now, as version ``version``."""
+    def submit(
+        self,
+        version: int,
+        model: torch.nn.Module,
+        *,
+        final: bool = False,
+        snapshot: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Evaluate ``model``'s weights as they are now, as version ``version``. ``snapshot``: those
+        weights as the learner published them (``coordinator.publishable_state``; nobody mutates it),
+        which saves a copy; without one they are copied here."""
         import ray
 
         if self._waiting is not None and self._waiting[2] and not final:
             return  # a final request waits: keep it
-        from asyncrl.lora import adapter_state, is_lora
+        from asyncrl.coordinator import pack_weights, publishable_state
 
         # every tensor that defines the policy (a LoRA student's adapters; else the whole state dict),
-        # loaded strictly by the actor: keys that differ fail loudly instead of evaluating the checkpoint
-        state = adapter_state(model) if is_lora(model) else model.state_dict()
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-        self._waiting = (version, ray.put(weights), final)
+        # loaded strictly by the actor: keys that differ fail loudly instead of evaluating the checkpoint.
+        # Packed as byte buffers: they travel out of band, not through torch's pickling
+        state = snapshot if snapshot is not None else publishable_state(model)
+        self._waiting = (version, ray.put(pack_weights(state)), final)
         self._start_next()
 
     def open(self) -> None:
@@ -202,7 +211,10 @@ class _AgreementActor:
             teacher, tokenizer, prompts, max_new_tokens=max_new_tokens, seed=seed
         )
 
-    def evaluate(self, version: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def evaluate(self, version: int, packed: Mapping[str, Any]) -> dict[str, Any]:
+        from asyncrl.coordinator import unpack_weights
+
+        weights = unpack_weights(packed)
         if self.lora:
             from asyncrl.lora import load_adapter_state
 
