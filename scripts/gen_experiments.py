@@ -458,7 +458,7 @@ def kl_direction(sweep: Sweep | None, plots: Path) -> Section:
         body,
         [save(fig, plots, "kl_direction_x_lag")],
         sweep.cpu_s,
-        f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        cells_line(sweep),
         tally=_tally(parts),
     )
 
@@ -577,7 +577,7 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
         body,
         [save(fig, plots, "cache_finiteness")],
         sweep.cpu_s,
-        f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        cells_line(sweep),
         tally=_tally(parts),
     )
 
@@ -732,7 +732,7 @@ def async_grpo(sweep: Sweep | None, plots: Path) -> Section:
         body,
         [save(fig, plots, "async_grpo")],
         sweep.cpu_s,
-        f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        cells_line(sweep),
         tally=_tally(parts),
     )
 
@@ -857,7 +857,7 @@ def lr_x_lag(sweep: Sweep | None, plots: Path) -> Section:
         body,
         [save(fig, plots, "lr_x_lag")],
         sweep.cpu_s,
-        f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        cells_line(sweep),
         tally=_tally(parts),
     )
 
@@ -970,7 +970,7 @@ def finish(
 ) -> Section:  # fmt: skip
     return Section(
         title, claim, file, _verdict(parts), _says(parts), rule, body, plots, sweep.cpu_s,
-        f"{len(sweep.runs)} cells" + (f", {sweep.pending} not finished" if sweep.pending else ""),
+        cells_line(sweep),
         tally=_tally(parts),
     )  # fmt: skip
 
@@ -1445,6 +1445,12 @@ def models_line(sweeps: Sequence[Sweep | None]) -> str:
     student = stat(acc_initial(r) for r in runs)
     teacher = stat(figure(r, "teacher_accuracy") for r in runs)
     return f"student exact match {student.mean:.3f}, teacher {teacher.mean:.3f} on the runs' eval prompts"
+
+
+def cells_line(sweep: Sweep) -> str:
+    """How many of the sweep's cells have a result: "90 cells", or "90 of 180 cells finished"."""
+    n = len(sweep.runs)
+    return f"{n} of {n + sweep.pending} cells finished" if sweep.pending else f"{n} cells"
 
 
 def wall_time(s: Section) -> str:

@@ -220,7 +220,7 @@ def test_a_failed_cell_is_not_a_result(gen: Any, tmp_path: Path) -> None:
     (run / "summary.json").write_text(json.dumps({"status": "failed", "error": "SystemExit: 1"}))
     sweep = gen.load_sweep(tmp_path, "kl_direction_x_lag")
     assert len(sweep.runs) == 23 and sweep.pending == 1
-    assert "23 cells, 1 not finished" in gen.kl_direction(sweep, tmp_path / "plots").cells
+    assert "23 of 24 cells finished" in gen.kl_direction(sweep, tmp_path / "plots").cells
 
 
 def test_the_summary_says_how_many_rule_parts_hold(gen: Any, tmp_path: Path) -> None:
