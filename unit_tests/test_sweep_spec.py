@@ -148,6 +148,12 @@ def test_examples_are_valid_sweeps() -> None:
     tiny = load_sweep(SWEEPS / "tiny.yaml")
     assert [c.key for c in tiny.cells] == ["pipeline.max_lag=0__seed=0", "pipeline.max_lag=2__seed=0"]
     assert all(c.config.workload.preset == "tiny" and c.config.train.steps <= 3 for c in tiny.cells)
+    real = load_sweep(SWEEPS / "real_pair.yaml")  # experiment 10: the real pair, 3 seeds
+    assert len(real.cells) == 2 * 3 * 3 and all(c.config.workload.preset == "smollm2" for c in real.cells)
+    assert all(c.config.pipeline.lag_mode == "fixed" for c in real.cells)
+    by_variant = {c.settings["variant"]: c.config for c in real.cells}
+    assert by_variant["forward_kl"].estimator.name == "forward_kl"
+    assert by_variant["rkl_online"].estimator.options["advantage"] == "online"
     assert set(SWEEPS.glob("*.yaml")) == {
         SWEEPS / f
         for f in (
@@ -157,6 +163,7 @@ def test_examples_are_valid_sweeps() -> None:
             "cache_finiteness_frozen.yaml",
             "kl_direction_x_lag.yaml",
             "lr_x_lag.yaml",
+            "real_pair.yaml",
             "recompute_vs_stabilisers.yaml",
             "s_eta_grpo.yaml",
             "s_eta_opd.yaml",
