@@ -9,6 +9,7 @@ torch import): ``asyncrl run`` checks that first, then resolves beside Ray's sta
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -517,9 +518,7 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
         return cfg
     from dataclasses import replace
 
-    from asyncrl.workloads.models import workload_tokenizer
     from asyncrl.workloads.real import is_real
-    from asyncrl.workloads.tasks import answer_token_budget, get_task
 
     w = cfg.workload
     if is_real(w.preset) and not w.student_path:
@@ -529,11 +528,21 @@ def resolve_auto(cfg: RunConfig) -> RunConfig:
             f"auto sizes generation from a task's answers; real preset {w.preset!r} has chat prompts "
             f"without answers: set a response budget, e.g. sampling.max_new_tokens=64",
         )
-    tokenizer = workload_tokenizer(
-        w.task, w.preset, cache_dir=w.cache_dir, seed=w.pretrain_seed, student_path=w.student_path
-    )
-    budget = answer_token_budget(get_task(w.task), tokenizer, seed=w.pretrain_seed)
+    student = str(Path(w.student_path).resolve()) if w.student_path else None
+    budget = _answer_budget(w.task, w.preset, str(Path(w.cache_dir).resolve()), w.pretrain_seed, student)
     return replace(cfg, sampling=replace(cfg.sampling, max_new_tokens=budget))
+
+
+@functools.lru_cache(maxsize=64)
+def _answer_budget(task: str, preset: str, cache_dir: str, seed: int, student_path: str | None) -> int:
+    """``answer_token_budget`` of a workload, once per process: it tokenizes 4096 answers (about 0.15 s),
+    and a sweep or a test session loads hundreds of configs of the same few workloads. The arguments
+    determine the tokenizer and the draws."""
+    from asyncrl.workloads.models import workload_tokenizer
+    from asyncrl.workloads.tasks import answer_token_budget, get_task
+
+    tokenizer = workload_tokenizer(task, preset, cache_dir=cache_dir, seed=seed, student_path=student_path)
+    return answer_token_budget(get_task(task), tokenizer, seed=seed)
 
 
 def resolve_components(cfg: RunConfig) -> RunConfig:
