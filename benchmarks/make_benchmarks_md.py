@@ -194,6 +194,14 @@ BENCHES = [
         ["--steps", "16", "--max-lag", "2", "--set", "sampling.max_new_tokens=24"],
         ["--steps", "6", "--max-lag", "2"],
     ),
+    Bench(
+        "batching_headroom",
+        "Batching headroom: decode cost by live rows, heavy-tailed blocks under four schedules",
+        "batching_headroom.py",
+        ["--real", "smollm2", "--batch", "8", "--new-tokens", "256", "--heavy-tail", "1.0"],
+        ["--preset", "tiny", "--batch", "8", "--new-tokens", "64", "--blocks", "8", "--repeats", "1"],
+        uses_cache=True,
+    ),
 ]
 
 

@@ -215,3 +215,26 @@ def test_vs_trl_smollm2_figures_and_markdown_from_fake_results() -> None:
     assert "**missed** by 1 of 2" in md  # first step 25 s > 20 s
     assert "**missed**: `lag1_colocated` 30.0 %" in md  # the others' 25.0 % is within the floor
     assert "- `lag1_colocated`: main 900; ray::RayTrainWorker 2100" in md  # raylet's 60 MiB left out
+
+
+def test_batching_headroom_replays_agree_where_they_must() -> None:
+    """``benchmarks/batching_headroom.py``'s schedule replays: with equal lengths nothing finishes
+    early, so compaction and static cost the same; with a flat step cost continuous batching takes
+    sum(L) / B steps; partial rollouts emit every row once, and a row spans calls only if carried."""
+    import batching_headroom as bh
+    import numpy as np
+
+    flat = bh.Costs(step={1: 1.0, 8: 1.0}, prefill_per_token=0.0)
+    equal = [np.full(8, 5) for _ in range(4)]
+    assert bh.static(equal, flat, 4).seconds == bh.compaction(equal, flat, 4).seconds == 20.0
+    tail = [np.array([1, 1, 1, 1, 1, 1, 1, 9]), np.array([2, 2, 2, 2, 2, 2, 2, 2])]
+    assert bh.static(tail, flat, 4).seconds == 9 + 2
+    linear = bh.Costs(step={1: 1.0, 8: 8.0}, prefill_per_token=0.0)  # c(r) = r: cost = tokens
+    assert bh.compaction(tail, linear, 4).seconds == sum(int(b.sum()) for b in tail)
+    assert bh.continuous(tail, flat, 4).seconds == 9  # 8 slots: the 9-token row outlasts all others
+    # carry 8: call 1 holds its 8 rows undecoded; call 2 decodes 16 until at most 8 are unfinished
+    # (2 steps: block 1's short rows, then block 2's); call 3 decodes 9 rows one step. The 9-token
+    # row is still carried at the end: 23 rows emitted, block 1's 7 after spanning 2 calls.
+    part = bh.partial([*tail, np.full(8, 1)], flat, 4, carry=8)
+    assert (part.seconds, part.rows, part.tokens) == (3.0, 23, 40 - 9)
+    assert part.calls_spanned_max == 2 and part.spanning_frac == 7 / 23

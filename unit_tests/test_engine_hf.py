@@ -362,7 +362,7 @@ def test_blocked_inverse_cdf_draws_what_the_flat_cdf_draws(V: int) -> None:
     (~1e-8 of mass) of one of the V boundaries (about V x 1e-8 of draws), zero-probability tokens
     (-inf logits, the padding of a last partial block) are never drawn, u at either end included,
     and the draws follow the softmax."""
-    from asyncrl.engines.hf import _BLOCKED_FROM, _draw, _inverse_cdf_blocked
+    from asyncrl.engines.hf import _BLOCKED_FROM, _draw, _inverse_cdf_blocked, _uniforms
 
     assert V >= _BLOCKED_FROM
     g = torch.Generator().manual_seed(V)
@@ -386,7 +386,8 @@ def test_blocked_inverse_cdf_draws_what_the_flat_cdf_draws(V: int) -> None:
     row = torch.full((1, W), -math.inf)
     support = [3, 1000, W - 129, W - 2]
     row[0, support] = torch.tensor([0.0, 0.5, 1.0, 1.5])
-    draws, lp = _draw(row.expand(2_000, W), 1.0, 8, torch.Generator().manual_seed(0))
+    u = _uniforms(torch.Generator().manual_seed(0), 2_000, 8, 1.0, torch.device("cpu"))
+    draws, lp = _draw(row.expand(2_000, W), 1.0, 8, u)
     p = torch.softmax(row[0], -1)
     counts = [int((draws == i).sum()) for i in support]
     assert sum(counts) == draws.numel()

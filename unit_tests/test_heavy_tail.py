@@ -71,11 +71,15 @@ def test_budgets_are_off_by_default_and_bad_values_are_refused() -> None:
         SamplingParams(heavy_tail=1.0).token_budgets(4, 0)
 
 
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "static"])
 @pytest.mark.parametrize("decode", ["fast", "hf"])
-def test_hf_engine_stops_each_row_at_its_budget_and_keeps_the_same_tokens(decode: str) -> None:
+def test_hf_engine_stops_each_row_at_its_budget_and_keeps_the_same_tokens(decode: str, compact: bool) -> None:
+    """Budgets cut rows and change nothing else: the same draws (one uniform stream for all rows,
+    finished rows in the batch or not); with compaction a row's log-probs come from a smaller
+    batch's matmuls, equal to float rounding."""
     spec = ModelSpec("llama", hidden=32, layers=2, heads=4, intermediate=64, max_positions=128)
     model = build_model(spec, len(TOK), 0).eval()
-    engine = HFEngine(model, TOK, decode=decode)
+    engine = HFEngine(model, TOK, decode=decode, compact=compact)
     ids, mask = encode_prompts(TOK, PROMPTS, 16)
     plain = SamplingParams(max_new_tokens=48, temperature=1.0, mc_samples=2)
     tail = SamplingParams(max_new_tokens=48, temperature=1.0, mc_samples=2, heavy_tail=1.0)
@@ -88,8 +92,43 @@ def test_hf_engine_stops_each_row_at_its_budget_and_keeps_the_same_tokens(decode
     assert (lengths < full_len).any(), "no row was cut: the test would not see a budget"
     T = cut[R.COMPLETION_IDS].shape[1]
     m = cut[R.COMPLETION_MASK]
-    for key in (R.COMPLETION_IDS, R.BEHAVIOR_LOGPROBS, R.MC_IDS, R.MC_BEHAVIOR_LOGPROBS):
+    for key in (R.COMPLETION_IDS, R.MC_IDS):
         assert torch.equal(cut[key][m], full[key][:, :T][m]), key
+    for key in (R.BEHAVIOR_LOGPROBS, R.MC_BEHAVIOR_LOGPROBS):
+        if compact:
+            torch.testing.assert_close(cut[key][m], full[key][:, :T][m], rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(cut[key][m], full[key][:, :T][m]), key
+
+
+@pytest.mark.parametrize("decode", ["fast", "hf"])
+def test_finished_rows_leave_the_decode_batch(decode: str, monkeypatch) -> None:
+    """With ``compact`` each decode step runs only the rows still generating: the step after token
+    t has as many rows as completions longer than t + 1; without it every step runs all B."""
+    from asyncrl.engines import hf
+
+    spec = ModelSpec("llama", hidden=32, layers=2, heads=4, intermediate=64, max_positions=128)
+    model = build_model(spec, len(TOK), 0).eval()
+    ids, mask = encode_prompts(TOK, PROMPTS, 16)
+    tail = SamplingParams(max_new_tokens=48, temperature=1.0, heavy_tail=1.0)
+    cls = hf.LlamaDecoder if decode == "fast" else hf._ModelDecoder
+    real_step = cls.step
+    for compact in (True, False):
+        rows: list[int] = []
+
+        def step(self, token_ids, t, rows=rows):
+            rows.append(int(token_ids.shape[0]))
+            return real_step(self, token_ids, t)
+
+        monkeypatch.setattr(cls, "step", step)
+        out = HFEngine(model, TOK, decode=decode, compact=compact).generate(ids, mask, tail, seed=3)
+        lengths = out[R.COMPLETION_MASK].sum(1)
+        if compact:
+            assert rows == [int((lengths > t + 1).sum()) for t in range(len(rows))]
+            assert rows[-1] < len(PROMPTS), "no row finished early: nothing to compact"
+        else:
+            assert set(rows) == {len(PROMPTS)}
+        assert len(rows) == int(lengths.max()) - 1
 
 
 class _IgnoresBudgets:

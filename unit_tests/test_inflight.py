@@ -15,6 +15,7 @@ between decode steps and continues its unfinished rows with them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -73,12 +74,20 @@ def _teacher_forced(model, ids, mask, out) -> torch.Tensor:
 
 @pytest.mark.parametrize("decode", ["fast", "hf"])
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
-def test_mid_sequence_switch_stamps_versions_and_logprobs(decode: str, kv: str) -> None:
+@pytest.mark.parametrize("tail", [0.0, 1.0], ids=["full", "heavy_tail"])
+def test_mid_sequence_switch_stamps_versions_and_logprobs(decode: str, kv: str, tail: float) -> None:
+    """heavy_tail: rows end at their budgets, some before the switch, so the switch (and the
+    recompute) happens on a compacted decode batch (``HFEngine(compact=True)``)."""
     old, new = _model(0), _model(1)
     ids, mask = encode_prompts(TOK, PROMPTS, 16)
     engine = HFEngine(copy.deepcopy(old), TOK, decode=decode, inflight_kv=kv, version=3)
     switch = 5  # after token 4 is drawn: tokens 0..4 from v3, tokens 5.. from v7
-    out = engine.generate(ids, mask, PARAMS, seed=0, poll_weights=_switch_at(switch, 7, _state(new)))
+    params = dataclasses.replace(PARAMS, heavy_tail=tail, max_new_tokens=40 if tail else 16)
+    seed = 2 if tail else 0  # budgets 3 3 27 7 8 40: rows end before and after the switch
+    out = engine.generate(ids, mask, params, seed=seed, poll_weights=_switch_at(switch, 7, _state(new)))
+    if tail:
+        lengths = out[R.COMPLETION_MASK].sum(1)
+        assert (lengths < switch).any() and (lengths > switch + 1).any(), lengths
     valid, tv = out[R.COMPLETION_MASK], out[R.TOKEN_VERSIONS]
     assert tv.dtype == torch.int32 and engine.version == 7
     assert (tv[:, :switch] == 3).all() and (tv[:, switch:] == 7).all()

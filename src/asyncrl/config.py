@@ -159,7 +159,8 @@ class PipelineConfig:
     engine: str = field("hf", help="rollout engine (asyncrl ls engines)")
     engine_options: dict[str, Any] = field(
         default_factory=dict,
-        help="keyword options of the engine's from_pretrained (hf: decode=auto|fast|hf; vllm: max_model_len)",
+        help="keyword options of the engine's from_pretrained (hf: decode=auto|fast|hf, compact=true|false "
+        "(finished rows leave the decode batch; default true), inflight_kv=recompute|keep; vllm: max_model_len)",
     )
     teacher_dtype: Literal["float32", "bfloat16"] = field(
         "float32",
@@ -276,14 +277,14 @@ class PipelineConfig:
                 check(ok, name, getattr(self, name), f"{what} ({fix})")
             # in step (max_lag=0) the engine samples from the learner's model; a rollout thread
             # (max_lag>=1) builds its own engine, so every engine option applies there
-            extra = sorted(set(self.engine_options) - {"decode"}) if self.max_lag == 0 else []
+            extra = sorted(set(self.engine_options) - {"decode", "compact"}) if self.max_lag == 0 else []
             check(
                 not extra,
                 "engine_options",
                 self.engine_options,
                 f"colocate=true with max_lag=0 samples from the learner's model (its dtype, device and "
-                f"threads): only 'decode' applies; drop {extra}, use max_lag>=1 (a rollout thread with its "
-                f"own engine) ({fix})",
+                f"threads): only 'decode' and 'compact' apply; drop {extra}, use max_lag>=1 (a rollout "
+                f"thread with its own engine) ({fix})",
             )
         check(self.inflight_poll_steps >= 1, "inflight_poll_steps", self.inflight_poll_steps, "use >= 1")
         if self.inflight_updates:

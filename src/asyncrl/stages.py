@@ -122,9 +122,14 @@ class Generate:
             from asyncrl.engines.hf import HFEngine
             from asyncrl.workloads.checkpoints import shared_tokenizer
 
-            # the model's device and dtype are the learner's; of the options only decode applies
-            decode = (engine_options or {}).get("decode", "auto")
-            self.engine = HFEngine(model, shared_tokenizer(student_dir), decode=decode)
+            # the model's device and dtype are the learner's; of the options only decode and compact apply
+            opts = engine_options or {}
+            self.engine = HFEngine(
+                model,
+                shared_tokenizer(student_dir),
+                decode=opts.get("decode", "auto"),
+                compact=opts.get("compact", True),
+            )
         else:
             torch.set_num_threads(torch_threads)
             try:

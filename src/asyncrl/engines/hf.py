@@ -93,6 +93,15 @@ class HFEngine:
             model (unit test), recompute's by < 1e-5. A recompute costs one prefill per switch.
             Recompute is the default: the version stamp and the provenance fingerprint stay exact
             (no state derived from older weights survives a load); keep trades that for no prefill.
+        compact: finished rows leave the decode batch (default): when a row ends (EOS, the token
+            limit, its ``heavy_tail`` budget), the decoder's per-row state (K/V buffers, key mask,
+            positions, prompt) is index-selected down to the live rows, so a step costs c(live rows)
+            instead of c(B). With heavy-tailed lengths most of a static batch's steps carry finished
+            rows (``benchmarks/batching_headroom.py`` measures c(r) and replays the schedules).
+            The draws do not change: the uniforms are drawn for all B rows every step, as without
+            compaction, and each live row takes its own; the logits of a row can differ from the
+            uncompacted batch's by float rounding (a different matmul shape). The transformers path
+            compacts its ``DynamicCache`` with ``batch_select_indices``.
 
     In-flight switch: between decode steps ``generate`` asks ``poll_weights`` (every
     ``poll_every`` steps); on newer weights it loads them (``load_weights``: the fingerprint is
@@ -119,7 +128,12 @@ class HFEngine:
         lora: LoRAConfig | Mapping[str, Any] | None = None,
         lora_merge: bool = True,
         inflight_kv: Literal["recompute", "keep"] = "recompute",
+        compact: bool = True,
     ) -> None:
+        if not isinstance(compact, bool):
+            raise ValueError(f"HFEngine compact={compact!r}: use true or false")
+        #: finished rows leave the decode batch (class docstring)
+        self.compact = compact
         if inflight_kv not in INFLIGHT_KV_CHOICES:
             raise ValueError(f"HFEngine inflight_kv={inflight_kv!r}: use 'recompute' or 'keep'")
         self.inflight_kv = inflight_kv
@@ -194,6 +208,7 @@ class HFEngine:
         lora: LoRAConfig | Mapping[str, Any] | None = None,
         lora_merge: bool = True,
         inflight_kv: Literal["recompute", "keep"] = "recompute",
+        compact: bool = True,
     ) -> HFEngine:
         """Load model + tokenizer from an HF checkpoint directory on local disk (no hub access).
         With ``lora`` the checkpoint is the base and the engine loads adapter versions (``HFEngine``).
@@ -231,6 +246,7 @@ class HFEngine:
             lora=lora,
             lora_merge=lora_merge,
             inflight_kv=inflight_kv,
+            compact=compact,
         )
 
     @classmethod
@@ -242,6 +258,11 @@ class HFEngine:
         decode = options.get("decode", "auto")
         if decode not in DECODE_CHOICES:
             raise ValueError(f"pipeline.engine_options.decode={decode!r}: use 'auto', 'fast' or 'hf'")
+        if not isinstance(options.get("compact", True), bool):
+            raise ValueError(
+                f"pipeline.engine_options.compact={options['compact']!r}: use true (finished rows leave "
+                f"the decode batch) or false"
+            )
         kv = options.get("inflight_kv", "recompute")
         if kv not in INFLIGHT_KV_CHOICES:
             raise ValueError(f"pipeline.engine_options.inflight_kv={kv!r}: use 'recompute' or 'keep'")
@@ -368,24 +389,32 @@ class HFEngine:
         versions = None
         if poll_weights is not None:
             versions = torch.full((B, N), self._version, dtype=torch.int32, device=device)
+        rows = torch.arange(B, device=device)  # the batch row of each of the decoder's rows
+        compact = self.compact and dec.can_select
         T = 0
         for t in range(N):
-            draws, logp = _draw(logits, params.temperature, k, gen)  # [B, k], [B, k]
-            live = ~finished
+            u = _uniforms(gen, B, k, params.temperature, device)  # all B rows: one stream either way
+            draws, logp = _draw(logits, params.temperature, k, None if u is None else u[rows])  # [r, k]
+            live = ~finished[rows]
             draws = torch.where(live[:, None], draws, self.pad_id)
-            draws_out[:, t] = draws
-            logp_out[:, t] = torch.where(live[:, None], logp, 0.0)
-            mask[:, t] = live
-            finished = finished | torch.isin(draws[:, 0], eos)
+            draws_out[rows, t] = draws
+            logp_out[rows, t] = torch.where(live[:, None], logp, 0.0)
+            mask[rows, t] = live
+            ended = torch.isin(draws[:, 0], eos)
             if budget is not None:
-                finished = finished | (budget <= t + 1)
+                ended = ended | (budget[rows] <= t + 1)
+            finished[rows] = finished[rows] | ended
             T = t + 1
             if t == N - 1 or bool(finished.all()):
                 break
+            if compact and bool(ended.any()):  # finished rows leave the decode batch
+                keep = ~ended
+                dec.select(keep)
+                rows, draws = rows[keep], draws[keep]
             if poll_weights is not None and (t + 1) % poll_every == 0 and self._poll(poll_weights, dec):
                 versions[:, t + 1 :] = self._version  # type: ignore[index]
                 if self.inflight_kv == "recompute":  # K/V of prompt + tokens 0..t with the new weights
-                    logits = dec.recompute(draws_out[:, : t + 1, 0])
+                    logits = dec.recompute(draws_out[rows, : t + 1, 0])
                     continue
             logits = dec.step(draws[:, 0], t)
 
@@ -442,6 +471,19 @@ class _ModelDecoder:
         self._cache = _new_cache(self.model)
         return self._forward(prompt_ids, self._attn[:, :P], positions)
 
+    @property
+    def can_select(self) -> bool:
+        """The cache can drop rows (``DynamicCache.batch_select_indices``; ``LlamaDecoder.select``)."""
+        return _cache_can_select()
+
+    def select(self, keep: torch.Tensor) -> None:
+        """``LlamaDecoder.select``: keep the rows where ``keep`` is True, in the cache too."""
+        idx = keep.nonzero().squeeze(1)
+        self._cache.batch_select_indices(idx)
+        self._attn, self._next_pos = self._attn[idx], self._next_pos[idx]
+        prompt_ids, positions = self._prompt
+        self._prompt = (prompt_ids[idx], positions[idx])
+
     def step(self, token_ids: torch.Tensor, t: int) -> torch.Tensor:
         return self._forward(token_ids.reshape(-1, 1), self._attn[:, : self._P + t + 1], self._next_pos + t)
 
@@ -465,16 +507,29 @@ class _ModelDecoder:
         return out.logits[:, -1].float()
 
 
-def _draw(logits: torch.Tensor, temperature: float, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """``k`` i.i.d. draws per row from softmax(logits / tau) and their log-probs, both [B, k]."""
+def _uniforms(
+    gen: torch.Generator, rows: int, k: int, temperature: float, device: torch.device
+) -> torch.Tensor | None:
+    """One decode step's uniforms ``u`` [rows, k] (float64) for ``_draw``; None at temperature 0."""
+    if temperature == 0:
+        return None
+    return torch.rand((rows, k), generator=gen, dtype=torch.float64, device=device)
+
+
+def _draw(
+    logits: torch.Tensor, temperature: float, k: int, u: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """``k`` i.i.d. draws per row from softmax(logits / tau) at the uniforms ``u`` [B, k]
+    (``_uniforms``; None at temperature 0: the argmax), and their log-probs, both [B, k]."""
     if temperature == 0:
         top = logits.argmax(-1, keepdim=True).expand(-1, k)
         return top, torch.zeros(top.shape, dtype=torch.float32, device=logits.device)
+    if u is None:
+        raise ValueError("_draw at temperature > 0 needs uniforms u [B, k] (_uniforms)")
     logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # [B, V], exact
     # Inverse-CDF sampling: draw = first index whose cumulative probability exceeds u ~ U(0, 1).
     # Float64 sums keep the CDF exact to ~1e-16; zero-probability tokens are never drawn.
     # (torch.multinomial with one draw per row is 5-20x slower on CPU.)
-    u = torch.rand((logits.shape[0], k), generator=gen, dtype=torch.float64, device=logits.device)
     if logp.shape[-1] >= _BLOCKED_FROM:
         draws = _inverse_cdf_blocked(logp, u)
     else:
@@ -517,6 +572,13 @@ def _inverse_cdf_blocked(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     last = ((chosen > 0) * torch.arange(1, _BLOCK + 1, device=p.device)).argmax(-1)
     j = torch.where(j < _BLOCK, j, last)
     return b * _BLOCK + j
+
+
+def _cache_can_select() -> bool:
+    """Whether this transformers' ``DynamicCache`` can drop batch rows in place."""
+    from transformers import DynamicCache
+
+    return callable(getattr(DynamicCache, "batch_select_indices", None))
 
 
 def _new_cache(model: torch.nn.Module) -> Any:

@@ -182,6 +182,18 @@ class LlamaDecoder:
         h = F.embedding(prompt_ids, inner.embed_tokens.weight)
         return self._forward(h, cos, sin, mask, 0, P)
 
+    #: ``select`` is available (``HFEngine(compact=True)`` drops finished rows through it)
+    can_select = True
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the rows where ``keep`` [B] is True (finished rows leave the batch): the K/V
+        buffers, key mask, positions and prompt are index-selected; later calls see the smaller B."""
+        self._k, self._v = self._k[:, keep], self._v[:, keep]
+        self._valid = self._valid[keep]
+        self._next_pos = self._next_pos[keep]
+        prompt_ids, positions = self._prompt
+        self._prompt = (prompt_ids[keep], positions[keep])
+
     def step(self, token_ids: torch.Tensor, t: int) -> torch.Tensor:
         """Feed generated token ``t`` ([B] or [B, 1]) at slot ``P + t``; logits [B, V]."""
         inner = self.model.model
