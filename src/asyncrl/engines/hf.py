@@ -98,9 +98,14 @@ class HFEngine:
             positions, prompt) is index-selected down to the live rows, so a step costs c(live rows)
             instead of c(B). With heavy-tailed lengths most of a static batch's steps carry finished
             rows (``benchmarks/batching_headroom.py`` measures c(r) and replays the schedules).
-            The draws do not change: the uniforms are drawn for all B rows every step, as without
-            compaction, and each live row takes its own; the logits of a row can differ from the
-            uncompacted batch's by float rounding (a different matmul shape). The transformers path
+            The uniforms are drawn for all B rows every step, as without compaction, and each live
+            row takes its own, so a draw is the same unless float rounding moves a CDF boundary past
+            its uniform: a row's logits come from a smaller matmul and differ by rounding (~1e-5
+            in log-prob at the real student's size), which can flip a draw whose uniform sits that
+            close to a boundary, typically between two tail tokens of probability < 1e-5 (seen once
+            in two heavy-tailed 128-token blocks of 8 rows there; the row continues differently
+            from that token). Either way each token is an exact draw from the logits that produced
+            it, and a run is deterministic given its seed and this option. The transformers path
             compacts its ``DynamicCache`` with ``batch_select_indices``.
 
     In-flight switch: between decode steps ``generate`` asks ``poll_weights`` (every
