@@ -100,11 +100,10 @@ class HFEngine:
             rows (``benchmarks/batching_headroom.py`` measures c(r) and replays the schedules).
             The uniforms are drawn for all B rows every step, as without compaction, and each live
             row takes its own, so a draw is the same unless float rounding moves a CDF boundary past
-            its uniform: a row's logits come from a smaller matmul and differ by rounding (~1e-5
-            in log-prob at the real student's size), which can flip a draw whose uniform sits that
-            close to a boundary, typically between two tail tokens of probability < 1e-5 (seen once
-            in two heavy-tailed 128-token blocks of 8 rows there; the row continues differently
-            from that token). Either way each token is an exact draw from the logits that produced
+            its uniform: a row's logits come from a smaller matmul and differ by rounding, which can
+            flip a draw whose uniform sits that close to a boundary, typically between two tail
+            tokens (the row then continues differently; CHANGELOG has what was seen on the real
+            student). Either way each token is an exact draw from the logits that produced
             it, and a run is deterministic given its seed and this option. The transformers path
             compacts its ``DynamicCache`` with ``batch_select_indices``.
 
@@ -479,7 +478,7 @@ class _ModelDecoder:
     @property
     def can_select(self) -> bool:
         """The cache can drop rows (``DynamicCache.batch_select_indices``; ``LlamaDecoder.select``)."""
-        return _cache_can_select()
+        return callable(getattr(self._cache, "batch_select_indices", None))
 
     def select(self, keep: torch.Tensor) -> None:
         """``LlamaDecoder.select``: keep the rows where ``keep`` is True, in the cache too."""
@@ -577,13 +576,6 @@ def _inverse_cdf_blocked(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     last = ((chosen > 0) * torch.arange(1, _BLOCK + 1, device=p.device)).argmax(-1)
     j = torch.where(j < _BLOCK, j, last)
     return b * _BLOCK + j
-
-
-def _cache_can_select() -> bool:
-    """Whether this transformers' ``DynamicCache`` can drop batch rows in place."""
-    from transformers import DynamicCache
-
-    return callable(getattr(DynamicCache, "batch_select_indices", None))
 
 
 def _new_cache(model: torch.nn.Module) -> Any:
