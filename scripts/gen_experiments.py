@@ -1251,6 +1251,38 @@ def accuracy_vs_wall_time(sweep: Sweep | None, plots: Path) -> Section:
 #: interval of (KL at the largest S) − (KL at S = 0) must lie below it (written before the runs)
 KL_MARGIN = 0.1
 REAL_VARIANTS = ("forward_kl", "rkl_online")
+#: the final checkpoints re-evaluated with the reference instruments (scripts/reference_eval.py)
+REFERENCE_FILE = "reference.csv"
+CELL_KEYS = ("variant", "pipeline.max_lag", "seed")
+#: a cell's students are degenerate when the distinct-2 of their greedy responses is below this fraction
+#: of the teacher's own (written before the re-evaluation)
+DEGENERATE_FRACTION = 0.5
+
+
+def load_reference(sweep: Sweep) -> dict[tuple[str, float, int], dict[str, float]]:
+    """``reference.csv`` beside the sweep's evidence: (variant, lag, seed) -> metrics of its final
+    checkpoint; the teacher's own row under ("teacher", nan, seed) and the starting student's under
+    ("initial", nan, seed). Empty when the re-evaluation has not run."""
+    path = sweep.path / REFERENCE_FILE
+    if not path.exists():
+        return {}
+    out = {}
+    with path.open(encoding="utf-8", newline="") as fh:
+        for row in csv.DictReader(fh):
+            lag = float(row["pipeline.max_lag"]) if row["pipeline.max_lag"] else math.nan
+            key = (row["variant"], lag, int(row["seed"]))
+            out[key] = {k: float(v) for k, v in row.items() if k not in CELL_KEYS}
+    return out
+
+
+def ref_of(ref: dict[tuple[str, float, int], dict[str, float]], key: str) -> Callable[[Run], float]:
+    """A run's re-evaluated final figure ``key`` (NaN when it was not re-evaluated)."""
+
+    def fn(r: Run) -> float:
+        row = ref.get((str(r.settings["variant"]), float(r.settings["pipeline.max_lag"]), int(r.seed)))
+        return row[key] if row is not None else math.nan
+
+    return fn
 
 
 def kl_final(r: Run) -> float:
@@ -1295,6 +1327,52 @@ def real_pair(sweep: Sweep | None, plots: Path) -> Section:
     start = stat(figure(r, "eval_kl_reverse_initial") for r in sweep.runs)
     body += ["", f"Before training: KL(student‖teacher) {start}.", "", "Seed-paired differences:", ""]
     body += md_table(["estimator", "difference", f"mean [{LEVEL:.0%} CI] (n)"], rows)
+    ref = load_reference(sweep)
+    if ref:
+        teacher_d2 = stat(row["distinct_2"] for (v, _, _), row in ref.items() if v == "teacher")
+        floor = DEGENERATE_FRACTION * teacher_d2.mean
+        ref_rows = []
+        for v in REAL_VARIANTS:
+            iv = paired(_cell(sweep, v, hi), _cell(sweep, v, lo), ref_of(ref, "kl_forward_ref"))
+            parts[f"{v}: KL_ref(S={hi:g}) − KL_ref(S={lo:g}) = {iv}, no worse (hi < {KL_MARGIN})"] = (
+                not_better(iv, KL_MARGIN)
+            )
+            d2 = {s: stat(ref_of(ref, "distinct_2")(r) for r in _cell(sweep, v, s)) for s in lags}
+            if all(d.n and d.mean < floor for d in d2.values()):
+                parts[
+                    f"{v}: students still answer (distinct-2 at or above {DEGENERATE_FRACTION:g} of the "
+                    f"teacher's {teacher_d2.mean:.3f} at some lag; precondition of the agreement figures)"
+                ] = None
+            ref_rows.append([v, f"S={hi:g} − S={lo:g}", str(iv)])
+        body += [
+            "",
+            "The final checkpoints re-evaluated on the same prompts with the reference instruments: "
+            "KL(teacher‖student) and top-1 agreement teacher-forced on the teacher's own greedy responses "
+            "(`kl_forward_ref`, `top1_agree_ref`), and the distinct-2 of the student's greedy responses "
+            "(mean ± se over seeds):",
+            "",
+        ]
+        body += md_table(
+            ["estimator", *[f"KL_ref at S={s:g}" for s in lags], *[f"top-1_ref at S={s:g}" for s in lags],
+             *[f"distinct-2 at S={s:g}" for s in lags]],
+            [
+                [v, *[str(stat(ref_of(ref, "kl_forward_ref")(r) for r in _cell(sweep, v, s))) for s in lags],
+                 *[str(stat(ref_of(ref, "top1_agree_ref")(r) for r in _cell(sweep, v, s))) for s in lags],
+                 *[str(stat(ref_of(ref, "distinct_2")(r) for r in _cell(sweep, v, s))) for s in lags]]
+                for v in REAL_VARIANTS
+            ],
+        )  # fmt: skip
+        init = [row for (v, _, _), row in ref.items() if v == "initial"]
+        body += [
+            "",
+            f"Before training: KL_ref {stat(r['kl_forward_ref'] for r in init)}, top-1_ref "
+            f"{stat(r['top1_agree_ref'] for r in init)}, distinct-2 {stat(r['distinct_2'] for r in init)}; "
+            f"the teacher's own greedy responses: distinct-2 {teacher_d2}.",
+            "",
+            "Seed-paired differences of KL_ref:",
+            "",
+        ]
+        body += md_table(["estimator", "difference", f"mean [{LEVEL:.0%} CI] (n)"], ref_rows)
     fig = Figure(figsize=(6.0, 3.4), layout="constrained")
     ax = fig.subplots()
     for v in REAL_VARIANTS:
@@ -1307,7 +1385,13 @@ def real_pair(sweep: Sweep | None, plots: Path) -> Section:
         "the held-out KL(student‖teacher) after the last step (exact, full vocabulary, on the student's own "
         f"samples of the held-out prompts); per estimator, KL at the largest lag minus KL at S={lo:g}, "
         f"paired by seed: no worse (holds) when the interval's upper end is below {KL_MARGIN} nats, worse "
-        "(fails) when its lower end is above 0, inconclusive otherwise."
+        "(fails) when its lower end is above 0, inconclusive otherwise. Round 3 (written before the "
+        "final checkpoints were re-evaluated, once the students' greedy responses were seen to repeat one "
+        "token): the same test on KL(teacher‖student) teacher-forced on the teacher's own greedy responses "
+        "(`kl_forward_ref`), which a student cannot lower by moving to states the teacher finds easy; and an "
+        "estimator whose students' distinct-2 is below "
+        f"{DEGENERATE_FRACTION:g} of the teacher's at every lag is undecided (its agreement figures measure "
+        "a degenerate student)."
     )
     return finish(title, claim, file, sweep, parts, rule, body, [save(fig, plots, "real_pair")])
 

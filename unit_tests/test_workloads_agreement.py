@@ -16,6 +16,7 @@ from asyncrl.lab.presets import ModelSpec, build_model
 from asyncrl.workloads.agreement import (
     METRICS,
     AgreementEvaluator,
+    distinct_n,
     left_pad,
     rouge_l,
     sequence_nll,
@@ -91,6 +92,17 @@ def test_rouge_l_against_hand_computed_lcs() -> None:
         rouge_l(["a"], ["a", "b"])
 
 
+def test_distinct_n_by_hand() -> None:
+    # bigrams of [1,2,1,2] and [1,2,3]: (1,2) (2,1) (1,2) | (1,2) (2,3) -> 3 distinct of 5
+    assert distinct_n([[1, 2, 1, 2], [1, 2, 3]], 2) == pytest.approx(3 / 5)
+    assert distinct_n([[7] * 64], 2) == pytest.approx(1 / 63)  # one token repeated: degenerate
+    assert distinct_n([[1, 2, 3, 4]], 2) == 1.0
+    assert distinct_n([[5], []], 2) == 0.0  # no bigram at all: no variety to credit
+    assert distinct_n([[1, 1, 2]], 1) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="n must be"):
+        distinct_n([[1]], 0)
+
+
 def test_left_pad() -> None:
     ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
@@ -116,6 +128,35 @@ def test_evaluator_of_the_teacher_itself_agrees_perfectly() -> None:
     assert res.metrics["top1_agree"] == 1.0
     assert res.metrics["rouge_l"] == 1.0
     assert res.metrics["teacher_nll"] > 0
+    assert res.metrics["kl_forward_ref"] == pytest.approx(0.0, abs=1e-9)
+    assert res.metrics["top1_agree_ref"] == 1.0
+    assert 0.0 < res.metrics["distinct_2"] <= 1.0
+
+
+def test_reference_metrics_are_teacher_forced_on_the_teachers_response() -> None:
+    """kl_forward_ref / top1_agree_ref equal a direct computation at the teacher's greedy tokens."""
+    from asyncrl import records as R
+
+    teacher, student = _model(0), _model(1)
+    ev = _evaluator(teacher, seed=3)
+    res = ev(student)
+    fwd = agree = tokens = 0.0
+    for (ids, mask), (ry, rm) in zip(ev._batches(), ev.teacher_responses()):
+        with torch.no_grad():
+            q = R.completion_logits(student, ids, mask, ry, rm)
+            p = R.completion_logits(teacher, ids, mask, ry, rm)
+        for b in range(ry.shape[0]):
+            for t in range(ry.shape[1]):
+                if not rm[b, t]:
+                    continue
+                lp, lq = torch.log_softmax(p[b, t].double(), -1), torch.log_softmax(q[b, t].double(), -1)
+                fwd += float((lp.exp() * (lp - lq)).sum())
+                agree += float(lq.argmax() == ry[b, t])  # the teacher's greedy token is argmax p
+                tokens += 1
+    assert tokens > 0
+    assert res.metrics["kl_forward_ref"] == pytest.approx(fwd / tokens, rel=1e-9)
+    assert res.metrics["top1_agree_ref"] == pytest.approx(agree / tokens)
+    assert res.metrics["kl_forward_ref"] > 0.01
 
 
 def test_evaluator_of_another_student_matches_a_direct_computation() -> None:

@@ -199,7 +199,9 @@ def agreement_line(summary: Mapping[str, Any]) -> str:
     return (
         f"agreement with the teacher (held-out): KL(student||teacher) {pair('kl_reverse', '.3f')}  "
         f"KL(teacher||student) {pair('kl_forward', '.3f')}  top-1 {pair('top1_agree', '.3f')}  "
-        f"teacher NLL {pair('teacher_nll', '.3f')}  ROUGE-L {pair('rouge_l', '.3f')}"
+        f"teacher NLL {pair('teacher_nll', '.3f')}  ROUGE-L {pair('rouge_l', '.3f')}  "
+        f"distinct-2 {pair('distinct_2', '.3f')}; on the teacher's responses: KL(teacher||student) "
+        f"{pair('kl_forward_ref', '.3f')}  top-1 {pair('top1_agree_ref', '.3f')}"
     )
 
 
@@ -372,7 +374,9 @@ def _eval_agreement(args: argparse.Namespace) -> int:
         f"{args.model} vs teacher {args.teacher} on {len(ev.prompts)} prompts of {args.prompts}: "
         f"KL(student||teacher) {m['kl_reverse']:.4f}  KL(teacher||student) {m['kl_forward']:.4f} "
         f"nats/token  top-1 {m['top1_agree']:.4f}  teacher NLL {m['teacher_nll']:.4f}  "
-        f"ROUGE-L {m['rouge_l']:.4f}  ({res.seconds:.1f} s)"
+        f"ROUGE-L {m['rouge_l']:.4f}  distinct-2 {m['distinct_2']:.4f}; on the teacher's responses: "
+        f"KL(teacher||student) {m['kl_forward_ref']:.4f}  top-1 {m['top1_agree_ref']:.4f}  "
+        f"({res.seconds:.1f} s)"
     )
     return 0
 
@@ -491,6 +495,9 @@ def real_demo_table(sync: Mapping[str, Any], async_: Mapping[str, Any], report_p
         ("top-1 agreement", *change("top1_agree")),
         ("teacher NLL of greedy", *change("teacher_nll")),
         ("ROUGE-L vs teacher", *change("rouge_l")),
+        ("distinct-2 of greedy", *change("distinct_2")),
+        ("KL(teacher||student) on teacher's text", *change("kl_forward_ref")),
+        ("top-1 on teacher's text", *change("top1_agree_ref")),
         ("wall time (s)", *both("wall_time_s", ".1f")),
         ("first step after start (s)", *both("startup_s", ".1f")),
         ("samples/s", *both("samples_per_s", ".2f")),

@@ -91,15 +91,24 @@ EVAL_ACCURACY = "eval/accuracy"
 #: evaluation without a verifier (``asyncrl.workloads.agreement``), on held-out prompts: per-token
 #: exact KL(teacher || student) and KL(student || teacher) on the student's own samples, top-1
 #: agreement, the teacher's NLL per token of the student's greedy response, ROUGE-L of the
-#: student's vs the teacher's greedy responses; ``eval/step`` the version they were measured at
-#: (they run beside training and land on the step record at which they finished)
+#: student's vs the teacher's greedy responses, distinct-2 of the student's greedy responses (near 0:
+#: degenerate repetition), and, teacher-forced on the teacher's greedy responses, KL(teacher || student)
+#: and top-1 agreement (``_ref``: measured where the teacher goes, so a student cannot lower them by
+#: moving to states the teacher finds easy); ``eval/step`` the version they were measured at (they run
+#: beside training and land on the step record at which they finished)
 EVAL_KL_FORWARD = "eval/kl_forward"
 EVAL_KL_REVERSE = "eval/kl_reverse"
 EVAL_TOP1_AGREE = "eval/top1_agree"
 EVAL_TEACHER_NLL = "eval/teacher_nll"
 EVAL_ROUGE_L = "eval/rouge_l"
+EVAL_DISTINCT_2 = "eval/distinct_2"
+EVAL_KL_FORWARD_REF = "eval/kl_forward_ref"
+EVAL_TOP1_AGREE_REF = "eval/top1_agree_ref"
 EVAL_STEP = "eval/step"
-EVAL_AGREEMENT = (EVAL_KL_FORWARD, EVAL_KL_REVERSE, EVAL_TOP1_AGREE, EVAL_TEACHER_NLL, EVAL_ROUGE_L)
+EVAL_AGREEMENT = (
+    EVAL_KL_FORWARD, EVAL_KL_REVERSE, EVAL_TOP1_AGREE, EVAL_TEACHER_NLL, EVAL_ROUGE_L, EVAL_DISTINCT_2,
+    EVAL_KL_FORWARD_REF, EVAL_TOP1_AGREE_REF,
+)  # fmt: skip
 #: every agreement evaluation of a run, one JSON line each: ``{"step", "seconds", "metrics",
 #: "samples"}`` (a few prompts' student and teacher greedy responses); summary.json's initial and
 #: final agreement figures come from here

@@ -19,6 +19,22 @@ the same random numbers). On the student's **greedy** response ŷ:
 * ``rouge_l``     = mean over prompts of ROUGE-L F1 between ŷ's text and the teacher's greedy
   response's text (``rouge_score``, the reference implementation's longest common subsequence
   over words).
+* ``distinct_2``  = distinct token bigrams / all token bigrams over the student's greedy responses
+  (distinct-n, Li et al. 2016, corpus level): near 0 when responses repeat one token or pattern.
+
+On the teacher's **own greedy response** r (teacher-forced, the student's states are the
+teacher's; N_r its tokens):
+
+* ``kl_forward_ref`` = (1/N_r) Σ_t KL(p_t ‖ q_t) at the states x, r_<t
+* ``top1_agree_ref`` = (1/N_r) Σ_t 1[argmax q_t = argmax p_t]; r is greedy, so argmax p_t = r_t
+  and this is the student's next-token accuracy on the teacher's response
+
+Why both families. The first family is measured where the student goes, so it is what on-policy
+distillation minimises, and it can be lowered by a student that moves to states where the teacher
+is easy to agree with: a response that repeats one token makes the teacher confident the
+repetition goes on (low ``kl_reverse`` and ``teacher_nll``, high ``top1_agree``). The reference
+family is measured where the teacher goes and cannot be lowered that way; ``distinct_2`` names the
+degeneration when it happens.
 
 ``token_agreement`` and ``sequence_nll`` are the pure math; ``AgreementEvaluator`` runs the
 generations and forwards for a list of prompts (no Ray: the pipeline runs it in its own actor,
@@ -38,7 +54,10 @@ from asyncrl import records as R
 from asyncrl.engines.base import SamplingParams
 
 #: the metric keys ``AgreementEvaluator`` returns (``eval/<name>`` in metrics.jsonl)
-METRICS = ("kl_forward", "kl_reverse", "top1_agree", "teacher_nll", "rouge_l")
+METRICS = (
+    "kl_forward", "kl_reverse", "top1_agree", "teacher_nll", "rouge_l", "distinct_2", "kl_forward_ref",
+    "top1_agree_ref",
+)  # fmt: skip
 
 
 def token_agreement(
@@ -96,6 +115,17 @@ def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> float:
             continue
         total += scorer.score(ref, pred)["rougeL"].fmeasure
     return total / len(predictions)
+
+
+def distinct_n(sequences: Sequence[Sequence[int]], n: int = 2) -> float:
+    """Distinct n-grams / all n-grams over ``sequences`` (token ids; corpus level, Li et al. 2016).
+
+    1.0 when no n-gram repeats; 1 / (total) when every response repeats one token. No n-gram at
+    all (every sequence shorter than ``n``) reads 0.0: there is no variety to credit."""
+    if n < 1:
+        raise ValueError(f"distinct_n: n must be >= 1, got {n}")
+    grams = [tuple(seq[i : i + n]) for seq in sequences for i in range(len(seq) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +189,8 @@ class AgreementEvaluator:
         self.keep_samples = keep_samples
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad)
-        self._teacher_texts: list[str] | None = None
+        #: the teacher's greedy responses per batch (ids, mask): computed once, the teacher is frozen
+        self._teacher_ref: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def from_files(
@@ -195,15 +226,18 @@ class AgreementEvaluator:
         return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
 
     @torch.no_grad()
-    def teacher_texts(self) -> list[str]:
-        """The teacher's greedy responses (computed once)."""
-        if self._teacher_texts is None:
-            texts: list[str] = []
+    def teacher_responses(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The teacher's greedy responses per batch, ``(completion_ids, completion_mask)`` (computed once)."""
+        if self._teacher_ref is None:
+            self._teacher_ref = []
             for ids, mask in self._batches():
                 res = self._generate(self.teacher, ids, mask, greedy=True)
-                texts += self._texts(res["completion_ids"], res["completion_mask"])
-            self._teacher_texts = texts
-        return self._teacher_texts
+                self._teacher_ref.append((res["completion_ids"], res["completion_mask"]))
+        return self._teacher_ref
+
+    def teacher_texts(self) -> list[str]:
+        """The teacher's greedy responses' texts."""
+        return [t for y, ym in self.teacher_responses() for t in self._texts(y, ym)]
 
     @torch.no_grad()
     def __call__(self, student: torch.nn.Module) -> Agreement:
@@ -214,9 +248,11 @@ class AgreementEvaluator:
         try:
             ref = self.teacher_texts()
             sums = {"kl_forward": 0.0, "kl_reverse": 0.0, "top1_agree": 0.0, "tokens": 0.0}
+            on_ref = {"kl_forward": 0.0, "top1_agree": 0.0, "tokens": 0.0}
             nll, nll_tokens = 0.0, 0.0
             greedy_texts: list[str] = []
-            for ids, mask in self._batches():
+            greedy_ids: list[list[int]] = []
+            for (ids, mask), (ry, rm) in zip(self._batches(), self.teacher_responses()):
                 # the student's own samples: exact full-vocabulary KLs at the states it visits
                 res = self._generate(student, ids, mask, greedy=False)
                 y, ym = res["completion_ids"], res["completion_mask"]
@@ -230,12 +266,22 @@ class AgreementEvaluator:
                 s, n = sequence_nll(R.completion_logits(self.teacher, ids, mask, gy, gm), gy, gm)
                 nll, nll_tokens = nll + s, nll_tokens + n
                 greedy_texts += self._texts(gy, gm)
+                greedy_ids += [row[m].tolist() for row, m in zip(gy, gm.bool())]
+                # the teacher's own greedy response, teacher-forced: where the teacher goes
+                q = R.completion_logits(student, ids, mask, ry, rm)
+                p = R.completion_logits(self.teacher, ids, mask, ry, rm)
+                for k, v in token_agreement(q, p, rm).items():
+                    if k in on_ref:
+                        on_ref[k] += float(v)
         finally:
             student.train(was_training)
         n = max(sums.pop("tokens"), 1.0)
         metrics = {k: v / n for k, v in sums.items()}
         metrics["teacher_nll"] = nll / max(nll_tokens, 1.0)
         metrics["rouge_l"] = rouge_l(greedy_texts, ref)
+        metrics["distinct_2"] = distinct_n(greedy_ids, 2)
+        n_ref = max(on_ref.pop("tokens"), 1.0)
+        metrics |= {f"{k}_ref": v / n_ref for k, v in on_ref.items()}
         prompts = self.tokenizer.batch_decode(self.prompts[: self.keep_samples], skip_special_tokens=True)
         samples = [
             {"prompt": pr, "student": s, "teacher": t}
