@@ -417,6 +417,44 @@ def test_real_pair_rule(gen: Any, tmp_path: Path, damage: dict, noise: float, ve
     )
 
 
+def write_reference(sweep: Any, kl_ref: Callable[[str, float, int], float], distinct: float) -> None:
+    """reference.csv beside a real-pair sweep's evidence: every cell, the starting student and the teacher."""
+    rows = ["variant,pipeline.max_lag,seed,step,kl_forward_ref,top1_agree_ref,distinct_2"]
+    for seed in (0, 1, 2):
+        rows += [f"initial,,{seed},0,16.0,0.0,0.2", f"teacher,,{seed},0,0.0,1.0,0.7"]
+        rows += [
+            f"{v},{s},{seed},20,{kl_ref(v, s, seed)},0.1,{distinct}"
+            for v in ("forward_kl", "rkl_online")
+            for s in (0, 2, 4)
+        ]
+    (sweep.path / "reference.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("distinct", "fkl_damage", "verdict", "says"),
+    [
+        (0.6, 0.0, "reproduced", "KL_ref(S=4) − KL_ref(S=0)"),
+        (0.01, 0.0, "inconclusive at this scale", "students still answer"),  # degenerate at every lag
+        (0.6, 1.0, "not reproduced", "forward_kl: KL_ref(S=4) − KL_ref(S=0) = +1.0"),  # hurt where r goes
+    ],
+)
+def test_real_pair_reference_round(
+    gen: Any, tmp_path: Path, distinct: float, fkl_damage: float, verdict: str, says: str
+) -> None:
+    """Round 3: the lag test on kl_forward_ref joins the rule, and degenerate students leave it undecided."""
+    real_pair_sweep(tmp_path, {"forward_kl": 0.0, "rkl_online": 0.0}, 0.002)
+    sweep = gen.load_sweep(tmp_path, "real_pair")
+
+    def kl_ref(v: str, s: float, seed: int) -> float:
+        return 7.0 + 0.001 * seed + (fkl_damage * s / 4 if v == "forward_kl" else 0.0)
+
+    write_reference(sweep, kl_ref, distinct)
+    section = gen.real_pair(sweep, tmp_path / "p")  # reference.csv is read beside the sweep's evidence
+    assert section.verdict == verdict, section.why
+    assert says in section.why
+    assert "the teacher's own greedy responses: distinct-2 0.700" in "\n".join(section.body)
+
+
 def test_paired_interval_and_t_quantile() -> None:
     from scipy import stats as sps
 
