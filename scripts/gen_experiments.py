@@ -1339,6 +1339,8 @@ def real_pair(sweep: Sweep | None, plots: Path) -> Section:
             )
             d2 = {s: stat(ref_of(ref, "distinct_2")(r) for r in _cell(sweep, v, s)) for s in lags}
             if all(d.n and d.mean < floor for d in d2.values()):
+                # degenerate at every lag: the estimator's agreement figures decide nothing either way
+                parts = {k: (None if k.startswith(f"{v}: ") else x) for k, x in parts.items()}
                 parts[
                     f"{v}: students still answer (distinct-2 at or above {DEGENERATE_FRACTION:g} of the "
                     f"teacher's {teacher_d2.mean:.3f} at some lag; precondition of the agreement figures)"

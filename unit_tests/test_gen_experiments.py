@@ -435,6 +435,7 @@ def write_reference(sweep: Any, kl_ref: Callable[[str, float, int], float], dist
     [
         (0.6, 0.0, "reproduced", "KL_ref(S=4) − KL_ref(S=0)"),
         (0.01, 0.0, "inconclusive at this scale", "students still answer"),  # degenerate at every lag
+        (0.01, 1.0, "inconclusive at this scale", "+1.0"),  # a degenerate estimator's damage decides nothing
         (0.6, 1.0, "not reproduced", "forward_kl: KL_ref(S=4) − KL_ref(S=0) = +1.0"),  # hurt where r goes
     ],
 )
