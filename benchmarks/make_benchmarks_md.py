@@ -202,6 +202,14 @@ BENCHES = [
         ["--preset", "tiny", "--batch", "8", "--new-tokens", "64", "--blocks", "8", "--repeats", "1"],
         uses_cache=True,
     ),
+    Bench(
+        "student_depth",
+        "Where a layer-pruned real student starts: agreement with the teacher by depth",
+        "student_depth.py",
+        ["--preset", "smollm2", "--layers", "6", "15", "20", "24", "--n", "16"],
+        ["--preset", "smollm2", "--layers", "6", "--n", "2", "--max-new-tokens", "8"],
+        uses_cache=True,
+    ),
 ]
 
 

@@ -1,0 +1,73 @@
+"""Where a layer-pruned student of a real preset starts: its agreement with the teacher by depth.
+
+    python benchmarks/student_depth.py --preset smollm2 --layers 6 15 20 24 30 --n 16
+
+For each depth, the teacher's decoder layers are pruned to ``--layers`` of them (``real.prune_layers``,
+evenly spaced, first and last kept; 30 of 30 is the teacher itself) and the untrained student is
+evaluated against the teacher on the first ``--n`` held-out prompts (``AgreementEvaluator``, every
+metric: on the student's samples, on the teacher's greedy responses (``_ref``), and the distinct-2 of
+the student's greedy responses). Why: how far a student starts from answering decides how many
+distillation steps it needs before the agreement figures measure a student that answers; the
+shipped preset keeps 6 layers. Needs ``asyncrl prepare <preset>`` once. Every number printed is
+measured; ``--json`` appends one line per depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from asyncrl.workloads import real
+from asyncrl.workloads.agreement import METRICS, AgreementEvaluator
+from asyncrl.workloads.checkpoints import load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="smollm2")
+    ap.add_argument("--cache-dir", default=".asyncrl_cache")
+    ap.add_argument("--layers", type=int, nargs="+", default=[6, 15, 20, 24])
+    ap.add_argument("--n", type=int, default=16, help="held-out prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None, help="append one JSON line per depth here")
+    args = ap.parse_args()
+    if not real.is_real(args.preset):
+        raise SystemExit(f"--preset {args.preset!r} is not a real preset (asyncrl ls presets)")
+    torch.set_num_threads(1)
+    paths = real.paths(args.preset, args.cache_dir)
+    if not Path(paths["teacher_dir"]).exists():
+        raise SystemExit(f"no prepared {args.preset}: run `asyncrl prepare {args.preset}` once")
+    ev = AgreementEvaluator.from_files(
+        paths["teacher_dir"], paths["eval_prompts"], n=args.n, max_new_tokens=args.max_new_tokens
+    )
+    total = int(ev.teacher.config.num_hidden_layers)
+    print(
+        f"{args.preset}: teacher of {total} layers, {args.n} held-out prompts, "
+        f"{args.max_new_tokens} new tokens"
+    )
+    print("| layers | " + " | ".join(METRICS) + " | first greedy response |")
+    print("|---|" + "---|" * (len(METRICS) + 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        for keep in args.layers:
+            if not 1 <= keep <= total:
+                raise SystemExit(f"--layers {keep}: use 1..{total} (the teacher's decoder layers)")
+            out = Path(tmp) / f"s{keep}"
+            real.prune_layers(paths["teacher_dir"], out, keep)
+            student, _ = load_model(str(out), role="student")
+            res = ev(student)
+            text = res.samples[0]["student"][:60].replace("\n", "\\n").replace("|", "/")
+            print(f"| {keep} | " + " | ".join(f"{res.metrics[k]:.3f}" for k in METRICS) + f" | `{text}` |")
+            if args.json:
+                with open(args.json, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"preset": args.preset, "layers": keep, **res.metrics}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
