@@ -144,7 +144,8 @@ def partial(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, carry: int)
     )
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> list[float]:
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    """The wall time of each of ``repeats`` calls of ``fn`` (the caller takes the median)."""
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -172,7 +173,7 @@ def measure_costs(
     times: dict[tuple[int, int], list[float]] = {k: [] for k in calls}
     for _ in range(repeats):  # interleaved: load affects every point alike
         for key, fn in calls.items():
-            times[key] += median_time(fn, 1)
+            times[key] += timed(fn, 1)
     med = {k: statistics.median(v) for k, v in times.items()}
     step = {r: max((med[(r, n2)] - med[(r, n1)]) / (n2 - n1), 1e-9) for r in rows}
     prefill = [max(med[(r, n1)] - n1 * step[r], 0.0) / (r * prompt) for r in rows]
