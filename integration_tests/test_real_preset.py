@@ -81,7 +81,8 @@ def test_real_preset_runs_learns_and_keeps_the_terminal_quiet(smollm2: Path, tmp
     # every agreement metric is finite and logged at the first (step 0) and the last evaluation
     evals = read_evals(run)
     assert evals[0]["step"] == 0 and evals[-1]["step"] == steps
-    names = ("kl_forward", "kl_reverse", "top1_agree", "teacher_nll", "rouge_l")
+    from asyncrl.workloads.agreement import METRICS as names  # the _ref pair and distinct_2 included
+
     for rec in (evals[0], evals[-1]):
         assert all(math.isfinite(rec["metrics"][k]) for k in names), rec
         assert rec["samples"] and rec["samples"][0]["teacher"]
@@ -89,8 +90,9 @@ def test_real_preset_runs_learns_and_keeps_the_terminal_quiet(smollm2: Path, tmp
     for k in names:
         assert summary[f"eval_{k}_initial"] == evals[0]["metrics"][k]
         assert summary[f"eval_{k}_final"] == evals[-1]["metrics"][k]
-    # the pruned student starts far from its teacher (nats per token)
-    assert summary["eval_kl_reverse_initial"] > 1.0
+    # the pruned student starts far from its teacher (nats per token), on its samples and on the teacher's
+    assert summary["eval_kl_reverse_initial"] > 1.0 and summary["eval_kl_forward_ref_initial"] > 1.0
+    assert 0.0 <= summary["eval_distinct_2_final"] <= 1.0
     # the eval ran beside training: the first step did not wait for it
     rows = read_metrics(run)
     assert not any("eval/accuracy" in m for m in rows)
