@@ -270,7 +270,9 @@ CONTEXT: dict[str, tuple[str, str]] = {
         "teacher and its pruned student.",
         "A seed-paired KL increase at the largest lag whose interval lies above 0 refutes robustness for "
         "that estimator; with three seeds an interval straddling the margin is decided by more seeds or "
-        "steps.",
+        "steps. While the students degenerate (one token repeated) no agreement figure decides it: a "
+        "student that answers is needed first (healed by offline distillation, or deeper than 24 of the "
+        "teacher's 30 layers).",
     ),
     "cache_finiteness_frozen": (
         f"{ASYNC_OPD}, abstract claim 3 (multi-sample MC stays correctable with less variance than one "
