@@ -206,7 +206,7 @@ BENCHES = [
         "student_depth",
         "Where a layer-pruned real student starts: agreement with the teacher by depth",
         "student_depth.py",
-        ["--preset", "smollm2", "--layers", "6", "15", "20", "24", "--n", "16"],
+        ["--preset", "smollm2", "--layers", "6", "15", "20", "24", "--n", "16", "--healed", "smollm2-healed"],
         ["--preset", "smollm2", "--layers", "6", "--n", "2", "--max-new-tokens", "8"],
         uses_cache=True,
     ),

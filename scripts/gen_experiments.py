@@ -274,6 +274,13 @@ CONTEXT: dict[str, tuple[str, str]] = {
         "student that answers is needed first (healed by offline distillation, or deeper than 24 of the "
         "teacher's 30 layers).",
     ),
+    "real_pair_healed": (
+        f"{ASYNC_OPD}, abstract claims 1 and 2, on the real pair of experiment 10 with its pruned student "
+        "healed first by offline distillation on the teacher's sampled responses (preset smollm2-healed).",
+        "As in experiment 10: a seed-paired KL increase whose interval lies above 0 refutes robustness for "
+        "that estimator, an interval straddling the margin is decided by more seeds or steps, and while an "
+        "estimator's students degenerate its figures decide nothing (a longer heal, or a deeper student).",
+    ),
     "cache_finiteness_frozen": (
         f"{ASYNC_OPD}, abstract claim 3 (multi-sample MC stays correctable with less variance than one "
         "sample); sampled sparse KD is unbiased (RS-KD, arXiv 2503.16870).",
@@ -1278,11 +1285,13 @@ def load_reference(sweep: Sweep) -> dict[tuple[str, float, int], dict[str, float
 
 
 def ref_of(ref: dict[tuple[str, float, int], dict[str, float]], key: str) -> Callable[[Run], float]:
-    """A run's re-evaluated final figure ``key`` (NaN when it was not re-evaluated)."""
+    """A run's re-evaluated final figure ``key``; a run that was not re-evaluated gives the figure it
+    logged itself at its last eval (``eval_<key>_final``: runs since the reference instruments exist log
+    them), NaN when it has neither."""
 
     def fn(r: Run) -> float:
         row = ref.get((str(r.settings["variant"]), float(r.settings["pipeline.max_lag"]), int(r.seed)))
-        return row[key] if row is not None else math.nan
+        return row[key] if row is not None else figure(r, f"eval_{key}_final")
 
     return fn
 
@@ -1293,15 +1302,33 @@ def kl_final(r: Run) -> float:
     return math.nan if r.outcome == N.STATUS_ABORTED else figure(r, "eval_kl_reverse_final")
 
 
+REAL_PAIR_CLAIM = (
+    "On a real pretrained teacher and student with chat prompts, teacher-weighted forward KL is robust "
+    "to stale rollouts, and reverse KL is too once its signal is recomputed under the current student: "
+    "training at a fixed lag leaves the held-out agreement with the teacher where training at lag 0 does."
+)
+
+
 @experiment("real_pair")
 def real_pair(sweep: Sweep | None, plots: Path) -> Section:
-    title = "10. The real pair: forward KL and online reverse KL under lag"
-    claim = (
-        "On a real pretrained teacher and student with chat prompts, teacher-weighted forward KL is robust "
-        "to stale rollouts, and reverse KL is too once its signal is recomputed under the current student: "
-        "training at a fixed lag leaves the held-out agreement with the teacher where training at lag 0 does."
+    return _real_pair(
+        sweep, plots, "10. The real pair: forward KL and online reverse KL under lag", "real_pair"
     )
-    file = "examples/sweeps/real_pair.yaml"
+
+
+@experiment("real_pair_healed")
+def real_pair_healed(sweep: Sweep | None, plots: Path) -> Section:
+    """Experiment 10 again, from the student healed by offline distillation (preset ``smollm2-healed``):
+    the same claim, cells, prompts and rule, from a student that answers before on-policy training."""
+    return _real_pair(
+        sweep, plots, "11. The real pair with a healed student: forward KL and online reverse KL under lag",
+        "real_pair_healed",
+    )  # fmt: skip
+
+
+def _real_pair(sweep: Sweep | None, plots: Path, title: str, name: str) -> Section:
+    claim = REAL_PAIR_CLAIM
+    file = f"examples/sweeps/{name}.yaml"
     if sweep is None or not sweep.runs:
         return missing(title, file, claim, sweep)
     lags = sorted({r.settings["pipeline.max_lag"] for r in sweep.runs})
@@ -1332,7 +1359,7 @@ def real_pair(sweep: Sweep | None, plots: Path) -> Section:
     ref = load_reference(sweep)
     if ref:
         teacher_d2 = stat(row["distinct_2"] for (v, _, _), row in ref.items() if v == "teacher")
-        floor = DEGENERATE_FRACTION * teacher_d2.mean
+        floor = DEGENERATE_FRACTION * teacher_d2.mean if teacher_d2.n else math.inf
         ref_rows = []
         for v in REAL_VARIANTS:
             iv = paired(_cell(sweep, v, hi), _cell(sweep, v, lo), ref_of(ref, "kl_forward_ref"))
@@ -1350,7 +1377,12 @@ def real_pair(sweep: Sweep | None, plots: Path) -> Section:
             ref_rows.append([v, f"S={hi:g} − S={lo:g}", str(iv)])
         body += [
             "",
-            "The final checkpoints re-evaluated on the same prompts with the reference instruments: "
+            (
+                "The final checkpoints re-evaluated"
+                if any(k[0] in REAL_VARIANTS for k in ref)
+                else "The final students as the runs logged them"
+            )
+            + " on the same prompts with the reference instruments: "
             "KL(teacher‖student) and top-1 agreement teacher-forced on the teacher's own greedy responses "
             "(`kl_forward_ref`, `top1_agree_ref`), and the distinct-2 of the student's greedy responses "
             "(mean ± se over seeds):",
@@ -1366,7 +1398,10 @@ def real_pair(sweep: Sweep | None, plots: Path) -> Section:
                 for v in REAL_VARIANTS
             ],
         )  # fmt: skip
-        init = [row for (v, _, _), row in ref.items() if v == "initial"]
+        init = [row for (v, _, _), row in ref.items() if v == "initial"] or [
+            {k: figure(r, f"eval_{k}_initial") for k in ("kl_forward_ref", "top1_agree_ref", "distinct_2")}
+            for r in sweep.runs
+        ]  # not re-evaluated: the runs' own first evals (step 0, the same student in every cell)
         body += [
             "",
             f"Before training: KL_ref {stat(r['kl_forward_ref'] for r in init)}, top-1_ref "
@@ -1397,7 +1432,7 @@ def real_pair(sweep: Sweep | None, plots: Path) -> Section:
         f"{DEGENERATE_FRACTION:g} of the teacher's at every lag is undecided (its agreement figures measure "
         "a degenerate student)."
     )
-    return finish(title, claim, file, sweep, parts, rule, body, [save(fig, plots, "real_pair")])
+    return finish(title, claim, file, sweep, parts, rule, body, [save(fig, plots, name)])
 
 
 # --- 9. cache finiteness at frozen θ ----------------------------------------------------------------------

@@ -14,7 +14,11 @@ teacher dtype), so the on-sample figures it prints reproduce the run's logged fi
 Writes one row per run (its last complete checkpoint), one per seed for the starting student
 (``variant`` ``initial``) and one per seed for the teacher evaluated as its own student (``teacher``:
 its distinct-2 is the reference for a degenerate student): ``variant``, ``pipeline.max_lag``, ``seed``,
-``step`` and every ``asyncrl.workloads.agreement.METRICS`` figure.
+``step`` and every ``asyncrl.workloads.agreement.METRICS`` figure. The teacher against itself does not
+depend on the seed (its greedy responses are its reference), so it is evaluated once per set of prompts.
+
+``--teacher-only`` writes only the teacher's rows: for runs that logged the reference instruments
+themselves (every run since they exist), the teacher's distinct-2 is all the study still needs.
 """
 
 from __future__ import annotations
@@ -68,12 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="sweep cells' run directories")
     ap.add_argument("--out", type=Path, required=True, help="the CSV to write")
+    ap.add_argument(
+        "--teacher-only", action="store_true", help="only the teacher's rows (the runs logged their own)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
     rows: list[dict[str, Any]] = []
     evaluators: dict[tuple, tuple[AgreementEvaluator, str]] = {}
     seen_seeds: set[int] = set()
+    teacher_of: dict[tuple, dict[str, float]] = {}
     for run_dir in sorted(args.runs):
         settings = cell_settings(run_dir)
         found = [(step, path) for step, path, bad in scan(run_dir) if not bad]
@@ -88,18 +96,29 @@ def main(argv: list[str] | None = None) -> int:
             evaluators[key] = evaluator_of(cfg)
         ev, student_dir = evaluators[key]
         seed = int(settings["seed"])
-        jobs = [(settings["variant"], settings["pipeline.max_lag"], step, str(path / MODEL_DIR))]
+        jobs = (
+            []
+            if args.teacher_only
+            else [(settings["variant"], settings["pipeline.max_lag"], step, str(path / MODEL_DIR))]
+        )
         if seed not in seen_seeds:
             seen_seeds.add(seed)
-            jobs += [("initial", "", 0, student_dir), ("teacher", "", 0, None)]
+            jobs += [] if args.teacher_only else [("initial", "", 0, student_dir)]
+            jobs += [("teacher", "", 0, None)]
         for variant, lag, at, model_dir in jobs:
-            model = ev.teacher if model_dir is None else load_model(model_dir, role="student")[0]
-            res = ev(model)
-            rows.append(dict(zip(KEYS, (variant, lag, seed, at))) | res.metrics)
+            if model_dir is None and key[1:] in teacher_of:
+                metrics, seconds = teacher_of[key[1:]], 0.0
+            else:
+                model = ev.teacher if model_dir is None else load_model(model_dir, role="student")[0]
+                res = ev(model)
+                metrics, seconds = res.metrics, res.seconds
+                if model_dir is None:
+                    teacher_of[key[1:]] = metrics
+            rows.append(dict(zip(KEYS, (variant, lag, seed, at))) | metrics)
             print(
                 f"{variant} S={lag or '-'} seed {seed} step {at}: "
-                + "  ".join(f"{k} {res.metrics[k]:.4f}" for k in METRICS)
-                + f"  ({res.seconds:.0f} s)",
+                + "  ".join(f"{k} {metrics[k]:.4f}" for k in METRICS)
+                + f"  ({seconds:.0f} s)",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -382,8 +382,11 @@ def test_accuracy_at_equal_wall_time(gen: Any, tmp_path: Path, gain: float, verd
     assert "async − sync at 77 s" in section.why  # async finishes its 100 steps at 10 + 100/1.5 s
 
 
-def real_pair_sweep(root: Path, damage: dict[str, float], noise: float = 0.01) -> None:
-    """Held-out KL 2.5 at S = 0, plus ``damage[variant]`` at the largest lag (linear in S), per-seed noise."""
+def real_pair_sweep(
+    root: Path, damage: dict[str, float], noise: float = 0.01, name: str = "real_pair", logged: Any = None
+) -> None:
+    """Held-out KL 2.5 at S = 0, plus ``damage[variant]`` at the largest lag (linear in S), per-seed noise;
+    ``logged(settings, seed)``: reference figures the runs logged themselves (summary keys)."""
     cells = [{"variant": v, "pipeline.max_lag": s} for v in ("forward_kl", "rkl_online") for s in (0, 2, 4)]
 
     def extra(st: dict[str, Any], seed: int) -> dict[str, Any]:
@@ -392,12 +395,13 @@ def real_pair_sweep(root: Path, damage: dict[str, float], noise: float = 0.01) -
             + damage[st["variant"]] * st["pipeline.max_lag"] / 4
             + noise * (seed - 1) * st["pipeline.max_lag"]
         )
-        return {"eval_kl_reverse_initial": 3.4, "eval_kl_reverse_final": kl, "eval_top1_agree_final": 0.3}
+        out = {"eval_kl_reverse_initial": 3.4, "eval_kl_reverse_final": kl, "eval_top1_agree_final": 0.3}
+        return out | (logged(st, seed) if logged else {})
 
     def metrics(st: dict[str, Any], seed: int) -> list[dict[str, Any]]:
         return [{"step": i, "loss": 1.0} for i in range(1, 21)]
 
-    write_sweep(root, "real_pair", cells, lambda st, seed: math.nan, metrics, extra=extra)
+    write_sweep(root, name, cells, lambda st, seed: math.nan, metrics, extra=extra)
 
 
 @pytest.mark.parametrize(
@@ -454,6 +458,37 @@ def test_real_pair_reference_round(
     assert section.verdict == verdict, section.why
     assert says in section.why
     assert "the teacher's own greedy responses: distinct-2 0.700" in "\n".join(section.body)
+
+
+@pytest.mark.parametrize(
+    ("distinct", "verdict", "says"),
+    [(0.6, "reproduced", "KL_ref(S=4) − KL_ref(S=0)"), (0.01, "inconclusive at this scale", "still answer")],
+)
+def test_real_pair_healed_reads_the_figures_the_runs_logged(
+    gen: Any, tmp_path: Path, distinct: float, verdict: str, says: str
+) -> None:
+    """Experiment 11 (the healed student) applies experiment 10's rule to the reference figures its runs
+    logged themselves; reference.csv holds only the teacher's rows (reference_eval --teacher-only)."""
+
+    def logged(st: dict[str, Any], seed: int) -> dict[str, float]:
+        final = {"kl_forward_ref": 3.0 + 0.001 * seed, "top1_agree_ref": 0.3, "distinct_2": distinct}
+        initial = {"kl_forward_ref": 3.5, "top1_agree_ref": 0.25, "distinct_2": 0.4}
+        return {f"eval_{k}_final": v for k, v in final.items()} | {
+            f"eval_{k}_initial": v for k, v in initial.items()
+        }
+
+    real_pair_sweep(tmp_path, {"forward_kl": 0.0, "rkl_online": 0.0}, 0.002, "real_pair_healed", logged)
+    sweep = gen.load_sweep(tmp_path, "real_pair_healed")
+    rows = ["variant,pipeline.max_lag,seed,step,kl_forward_ref,top1_agree_ref,distinct_2"]
+    rows += [f"teacher,,{seed},0,0.0,1.0,0.7" for seed in (0, 1, 2)]
+    (sweep.path / "reference.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    section = gen.real_pair_healed(sweep, tmp_path / "p")
+    assert section.title.startswith("11. The real pair with a healed student")
+    assert section.verdict == verdict, section.why
+    assert says in section.why
+    body = "\n".join(section.body)
+    assert "as the runs logged them" in body and "Before training: KL_ref 3.500" in body
+    assert "| forward_kl | 3.001 ± 0.001 | 3.001 ± 0.001 | 3.001 ± 0.001 |" in body
 
 
 def test_paired_interval_and_t_quantile() -> None:

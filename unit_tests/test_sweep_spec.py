@@ -3,6 +3,7 @@ file, the cell and the field, all before anything runs. No Ray."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -154,6 +155,11 @@ def test_examples_are_valid_sweeps() -> None:
     by_variant = {c.settings["variant"]: c.config for c in real.cells}
     assert by_variant["forward_kl"].estimator.name == "forward_kl"
     assert by_variant["rkl_online"].estimator.options["advantage"] == "online"
+    healed = load_sweep(SWEEPS / "real_pair_healed.yaml")  # experiment 11: the same cells, healed student
+    assert [c.key for c in healed.cells] == [c.key for c in real.cells]
+    assert all(c.config.workload.preset == "smollm2-healed" for c in healed.cells)
+    for a, b in zip(real.cells, healed.cells):  # only the preset (and where it writes) differs
+        assert dataclasses.replace(a.config, workload=b.config.workload, run_dir=b.config.run_dir) == b.config
     assert set(SWEEPS.glob("*.yaml")) == {
         SWEEPS / f
         for f in (
@@ -164,6 +170,7 @@ def test_examples_are_valid_sweeps() -> None:
             "kl_direction_x_lag.yaml",
             "lr_x_lag.yaml",
             "real_pair.yaml",
+            "real_pair_healed.yaml",
             "recompute_vs_stabilisers.yaml",
             "s_eta_grpo.yaml",
             "s_eta_opd.yaml",

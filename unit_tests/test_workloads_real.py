@@ -141,3 +141,27 @@ def test_real_preset_registry_and_paths(tmp_path: Path) -> None:
     p = real.paths("smollm2", tmp_path)
     assert p["teacher_dir"].endswith("smollm2/teacher") and p["eval_prompts"].endswith("prompts/eval.jsonl")
     assert "asyncrl prepare smollm2" in real.prepare_hint("smollm2", ".asyncrl_cache")
+
+
+def test_prepare_heals_the_student_once_and_again_when_its_heal_changes(tmp_path: Path, monkeypatch) -> None:
+    """``prepare`` of a preset with ``heal``: prompts first, then the healed student, recorded in
+    prepared.json; reused when prepared, rebuilt when the preset's HealSpec changes (no download: the
+    package files and the GGUF conversion are stand-ins)."""
+    from asyncrl.workloads import gguf
+    from asyncrl.workloads.heal import HealSpec
+
+    spec = ModelSpec("llama", hidden=32, layers=4, heads=2, intermediate=64, max_positions=96)
+    teacher = build_model(spec, len(TOK), seed=0).eval()
+    data = _sharegpt(tmp_path / "d.json", [_conv(f"c{i}", f"question number {i}?") for i in range(80)])
+    monkeypatch.setattr(real, "package_file", lambda pf, downloads, say=print: data)
+    monkeypatch.setattr(gguf, "gguf_to_checkpoint", lambda f, out: save_checkpoint(teacher, TOK, out, {}))
+    heal = HealSpec(prompts=4, epochs=1, lr=1e-3, batch_size=2, max_new_tokens=3, temperature=1.0)
+    presets = {"t": _spec(student_layers=2, heal=heal)}
+    monkeypatch.setattr(real, "REAL_PRESETS", type("R", (), {"get": staticmethod(presets.__getitem__)}))
+    made = real.prepare("t", tmp_path / "cache", progress=False)
+    assert not made.reused and made.info["student"]["heal"]["spec"] == heal.to_dict()
+    assert made.info["student"]["heal"]["steps"] == 2 and made.info["student"]["layers_kept"] == [0, 3]
+    assert real.prepare("t", tmp_path / "cache", progress=False).reused
+    presets["t"] = _spec(student_layers=2, heal=HealSpec(**(heal.to_dict() | {"epochs": 2})))
+    again = real.prepare("t", tmp_path / "cache", progress=False)
+    assert not again.reused and again.info["student"]["heal"]["steps"] == 4

