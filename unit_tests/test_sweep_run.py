@@ -119,6 +119,39 @@ def test_a_run_directory_of_another_config_is_refused(sweep_file: Path, tmp_path
     assert {cell_state(c) for c in same.cells} == {"done"}
 
 
+def test_a_real_preset_cell_resumes_although_its_run_filled_in_the_prompt_splits(tmp_path: Path) -> None:
+    """A real preset's run stores the prompt splits it took from its prepared cache
+    (``plan.absolute_paths``); the sweep's cell leaves them unset. That is the same cell, not another
+    config; a prompt file the user set is still compared."""
+    from asyncrl.plan import absolute_paths
+    from asyncrl.workloads import real
+
+    cache = tmp_path / "cache"
+    root = Path(real.paths("smollm2", cache)["root"])
+    root.mkdir(parents=True)
+    (root / real.PREPARED_FILE).write_text("{}")
+    f = write_sweep(
+        tmp_path,
+        {
+            "seeds": [0],
+            "overrides": {
+                "workload.preset": "smollm2",
+                "workload.cache_dir": str(cache),
+                "sampling.max_new_tokens": 8,
+            },
+        },
+    )
+    cell = load_sweep(f).cells[0]
+    stored = absolute_paths(cell.config)  # what the run writes to its config.yaml
+    assert stored.workload.prompts_path == real.paths("smollm2", cache)["train_prompts"]
+    cell.run_dir.mkdir(parents=True)
+    save_config(stored, cell.run_dir / names.CONFIG_FILE)
+    assert cell_state(cell) == "partial"
+    other = load_sweep(f, [f"workload.eval_prompts_path={tmp_path / 'mine.jsonl'}"]).cells[0]
+    with pytest.raises(SweepError, match=r"workload\.eval_prompts_path"):
+        cell_state(other)
+
+
 def test_progress_sees_every_cell(sweep_file: Path) -> None:
     events: list[tuple] = []
     progress = SimpleNamespace(

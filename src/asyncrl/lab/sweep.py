@@ -418,9 +418,29 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
+def _as_configured(cfg: RunConfig) -> RunConfig:
+    """A run's stored config with what the run filled in itself taken out again: a real preset's
+    prompt splits, which ``plan.absolute_paths`` sets from its prepared cache when the config leaves
+    them unset (so a stored cell of a real preset compares equal to the cell that made it)."""
+    from asyncrl.workloads import real
+
+    w = cfg.workload
+    if not real.is_real(w.preset) or w.teacher_path or w.student_path:
+        return cfg
+    made = real.paths(w.preset, w.cache_dir)
+    return replace(
+        cfg,
+        workload=replace(
+            w,
+            prompts_path=None if w.prompts_path == made["train_prompts"] else w.prompts_path,
+            eval_prompts_path=None if w.eval_prompts_path == made["eval_prompts"] else w.eval_prompts_path,
+        ),
+    )
+
+
 def _config_diff(stored: RunConfig, wanted: RunConfig) -> list[str]:
     """Fields (not ``EXECUTION_ONLY``) whose values differ, as ``key: stored -> wanted``."""
-    a, b = _flat(to_dict(stored)), _flat(to_dict(wanted))
+    a, b = _flat(to_dict(_as_configured(stored))), _flat(to_dict(wanted))
 
     def counts(key: str) -> bool:
         return not any(key == e or key.startswith(e + ".") for e in EXECUTION_ONLY)

@@ -23,15 +23,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: a preset's HealSpec is read without it
+    import torch
 
-from asyncrl import records as R
-from asyncrl.engines.base import SamplingParams
-
-#: one corpus batch: prompt ids, prompt mask, response ids, response mask (left-padded prompts)
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    #: one corpus batch: prompt ids, prompt mask, response ids, response mask (left-padded prompts)
+    Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,6 @@ class HealSpec:
         return asdict(self)
 
 
-@torch.no_grad()
 def teacher_corpus(
     teacher: torch.nn.Module,
     tokenizer: Any,
@@ -88,6 +85,9 @@ def teacher_corpus(
     """The teacher's sampled responses to ``prompts``, batched as they will be trained on.
 
     Batch i is drawn with seed ``seed + i``, so the corpus is a function of (teacher, prompts, seed)."""
+    import torch
+
+    from asyncrl.engines.base import SamplingParams
     from asyncrl.engines.hf import HFEngine
     from asyncrl.workloads.agreement import left_pad
 
@@ -95,10 +95,11 @@ def teacher_corpus(
     engine = HFEngine(teacher.eval(), tokenizer)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     corpus: list[Batch] = []
-    for i, start in enumerate(range(0, len(prompts), batch_size)):
-        ids, mask = left_pad([list(p) for p in prompts[start : start + batch_size]], int(pad))
-        res = engine.generate(ids, mask, params, seed=seed + i)
-        corpus.append((ids, mask, res["completion_ids"], res["completion_mask"]))
+    with torch.no_grad():
+        for i, start in enumerate(range(0, len(prompts), batch_size)):
+            ids, mask = left_pad([list(p) for p in prompts[start : start + batch_size]], int(pad))
+            res = engine.generate(ids, mask, params, seed=seed + i)
+            corpus.append((ids, mask, res["completion_ids"], res["completion_mask"]))
     return corpus
 
 
@@ -106,6 +107,8 @@ def forward_kl_loss(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """Token-mean of KL(p ‖ q_θ) over the full vocabulary: ``[B, T, V]`` logits, ``[B, T]`` mask."""
+    import torch
+
     lp = torch.log_softmax(teacher_logits.float(), dim=-1)
     lq = torch.log_softmax(student_logits.float(), dim=-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
@@ -128,6 +131,10 @@ def heal(
 
     Returns what a checkpoint's meta records: tokens per epoch, the mean loss of each epoch (as
     trained: each batch's loss before its step), steps and seconds."""
+    import torch
+
+    from asyncrl import records as R
+
     if not corpus:
         raise ValueError("heal needs a non-empty corpus")
     teacher.eval()
