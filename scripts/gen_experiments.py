@@ -1412,14 +1412,22 @@ def _real_pair(sweep: Sweep | None, plots: Path, title: str, name: str) -> Secti
             "",
         ]
         body += md_table(["estimator", "difference", f"mean [{LEVEL:.0%} CI] (n)"], ref_rows)
-    fig = Figure(figsize=(6.0, 3.4), layout="constrained")
-    ax = fig.subplots()
-    for v in REAL_VARIANTS:
-        errorbar_panel(ax, lags, [stat(kl_final(r) for r in _cell(sweep, v, s)) for s in lags], v)
-    ax.set_xlabel("fixed lag S")
-    ax.set_ylabel("held-out KL(student‖teacher)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    # on-sample KL; beside it, once measured, KL on the teacher's responses with its value before training
+    fig = Figure(figsize=(10.0 if ref else 6.0, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2 if ref else 1, squeeze=False)[0]
+    panels = [(kl_final, "held-out KL(student‖teacher)", start)]
+    if ref:
+        start_ref = stat(r["kl_forward_ref"] for r in init)
+        panels.append((ref_of(ref, "kl_forward_ref"), "KL_ref (teacher's responses)", start_ref))
+    for ax, (fn, label, before) in zip(axes, panels):
+        for v in REAL_VARIANTS:
+            errorbar_panel(ax, lags, [stat(fn(r) for r in _cell(sweep, v, s)) for s in lags], v)
+        if math.isfinite(before.mean):
+            ax.axhline(before.mean, color="grey", ls="--", lw=1, label="before training")
+        ax.set_xlabel("fixed lag S")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     rule = (
         "the held-out KL(student‖teacher) after the last step (exact, full vocabulary, on the student's own "
         f"samples of the held-out prompts); per estimator, KL at the largest lag minus KL at S={lo:g}, "
