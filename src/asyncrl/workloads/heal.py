@@ -106,14 +106,12 @@ def teacher_corpus(
 def forward_kl_loss(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Token-mean of KL(p ‖ q_θ) over the full vocabulary: ``[B, T, V]`` logits, ``[B, T]`` mask."""
-    import torch
+    """Token-mean of KL(p ‖ q_θ) over the full vocabulary: ``[B, T, V]`` logits, ``[B, T]`` mask
+    (the estimators' exact E1, ``forward_kl_dense``, averaged over the response's tokens)."""
+    from asyncrl.estimators.functional import forward_kl_dense
+    from asyncrl.logratio import masked_mean
 
-    lp = torch.log_softmax(teacher_logits.float(), dim=-1)
-    lq = torch.log_softmax(student_logits.float(), dim=-1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    m = mask.to(kl.dtype)
-    return (kl * m).sum() / m.sum().clamp_min(1.0)
+    return masked_mean(forward_kl_dense(student_logits, teacher_logits), mask)
 
 
 def heal(

@@ -123,7 +123,7 @@ REAL_PRESETS.add(
         split_key="smollm2",
         heal=HealSpec(),
         doc="smollm2 with its pruned student healed before OPD: offline distillation (full-vocabulary "
-        "forward KL) on the teacher's sampled responses to 1024 train prompts, 3 epochs (~30 min on 2 "
+        "forward KL) on the teacher's sampled responses to 1024 train prompts, 3 epochs (tens of minutes on 2 "
         "cores, once); the same prompts and held-out split as smollm2",
     ),
 )
@@ -210,7 +210,6 @@ def prepare(
             prune_layers(teacher_dir, student_dir, spec.student_layers)
         else:
             heal_student(spec, teacher_dir, student_dir, Path(p["train_prompts"]), say)
-    shared_tokenizer(student_dir)
     meta = _read_meta(student_dir)
     info = {
         "preset": spec.name,
