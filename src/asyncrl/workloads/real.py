@@ -123,8 +123,8 @@ REAL_PRESETS.add(
         split_key="smollm2",
         heal=HealSpec(),
         doc="smollm2 with its pruned student healed before OPD: offline distillation (full-vocabulary "
-        "forward KL) on the teacher's sampled responses to 1024 train prompts, 3 epochs (tens of minutes on 2 "
-        "cores, once); the same prompts and held-out split as smollm2",
+        "forward KL) on the teacher's sampled responses to 1024 train prompts, 3 epochs (tens of minutes "
+        "on 2 cores, once); the same prompts and held-out split as smollm2",
     ),
 )
 
