@@ -85,6 +85,31 @@ def test_every_noise_rule_says_why() -> None:
     assert all(n.why for n in console.NOISE)
 
 
+DISK_FULL = (
+    "[2026-12-07 01:53:05,398 E 21455 21464] (raylet) file_system_monitor.cc:116: "
+    "/tmp/ray/session_2026-12-07_01-53-04_174927_21380 is over 95% full, available space: 12.5985 GB; "
+    "capacity: 251.972 GB. Object creation will fail if spilling is required."
+)
+
+
+def test_a_repeating_disk_notice_is_told_once_in_asyncrls_words(monkeypatch, capsys) -> None:
+    """The raylet logs its disk check every 10 s (seen in CI, where a full disk printed it into the
+    demo's terminal): the first is told once as asyncrl's warning with the figures and the fix, every
+    repeat (of any Ray session of the process) is dropped, and -v shows Ray's own lines."""
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    monkeypatch.setattr(console, "_told", set())
+    other = "A worker died or was killed while executing a task by an unexpected system error."
+    for _ in range(3):
+        assert console.forwarded_lines({"lines": [DISK_FULL, other], "pid": "raylet"}) == [other]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("asyncrl: warning: ")
+    assert "over 95% full (12.5985 GB free of 251.972 GB)" in err[0] and "RAY_TMPDIR" in err[0]
+    assert "raylet" not in err[0]
+    monkeypatch.setenv(console.VERBOSE_ENV, "1")
+    assert console.forwarded_lines({"lines": [DISK_FULL], "pid": "raylet"}) == [DISK_FULL]
+    assert all(r.why for r in console.REPEATING)
+
+
 def test_verbose_switch_and_quiet_env(monkeypatch) -> None:
     monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
     assert not console.verbose()

@@ -10,7 +10,9 @@ bookkeeping. By default (``-v`` / ``ASYNCRL_VERBOSE=1`` turns all of this off):
   it matches one of ``NOISE`` (known-harmless messages, each with the reason it is harmless),
   or when it comes from one of Ray's own bookkeeping actors (``RAY_INTERNAL``) and does not
   look like a problem (``ALARM``). Anything else, in particular a traceback or a warning from
-  asyncrl's actors and workers, is printed as Ray prints it.
+  asyncrl's actors and workers, is printed as Ray prints it;
+* a real condition that Ray logs again every few seconds (``REPEATING``: the raylet's disk check)
+  is told once per process, as one asyncrl warning saying what it means and what to do.
 
 The filter is installed on Ray's driver-side log forwarding by ``asyncrl.ray_internals`` (patch
 ``log_filter``: a private Ray API, behind a check of the installed Ray version). It fails open: a
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -118,9 +121,55 @@ def is_noise(line: str, source: str) -> bool:
     return any(name in source for name in RAY_INTERNAL) and ALARM.search(line) is None
 
 
+@dataclass(frozen=True)
+class Repeating:
+    """A real condition that Ray logs again on a timer: ``pattern`` (searched; its named groups fill
+    ``say``), told once per process as one asyncrl line that says what it means and what to do;
+    its repeats are dropped. ``why``: why once is enough."""
+
+    pattern: str
+    say: str
+    why: str
+
+    def told(self, line: str) -> str | None:
+        """asyncrl's line for a matching ``line``, else None."""
+        m = re.search(self.pattern, line)
+        return None if m is None else self.say.format(**m.groupdict())
+
+
+REPEATING: tuple[Repeating, ...] = (
+    Repeating(
+        r"file_system_monitor\.cc:\d+: (?P<path>\S+) is over (?P<pct>\d+)% full, "
+        r"available space: (?P<free>[\d.]+) GB; capacity: (?P<cap>[\d.]+) GB",
+        "the disk of Ray's session directory {path} is over {pct}% full ({free} GB free of {cap} GB): "
+        "Ray cannot spill objects there, so a run whose object store fills up would fail. Free disk "
+        "space, or give Ray a temporary directory on another disk (RAY_TMPDIR=/path). "
+        "(Ray repeats this every 10 s; shown once, -v shows Ray's lines.)",
+        "the raylet checks the disk every 10 s and logs at E level each time it is over "
+        "RAY_local_fs_capacity_threshold (0.95): one line per 10 s would bury the run's progress",
+    ),
+)
+_told: set[str] = set()
+
+
+def tell_once(line: str) -> bool:
+    """True when ``line`` is one of ``REPEATING``: the first of its kind in this process is told on
+    stderr in asyncrl's words, every one is dropped from Ray's forwarding."""
+    for notice in REPEATING:
+        said = notice.told(line)
+        if said is None:
+            continue
+        if notice.pattern not in _told:
+            _told.add(notice.pattern)
+            print(f"asyncrl: warning: {said}", file=sys.stderr, flush=True)
+        return True
+    return False
+
+
 def keep_lines(lines: Iterable[str], source: str) -> list[str]:
-    """The lines of one forwarded batch that are printed at the default verbosity."""
-    return [line for line in lines if not is_noise(line, source)]
+    """The lines of one forwarded batch that are printed at the default verbosity (a ``REPEATING``
+    notice is told once, in asyncrl's words, instead)."""
+    return [line for line in lines if not tell_once(line) and not is_noise(line, source)]
 
 
 def forwarded_lines(data: dict[str, Any]) -> list[str]:
