@@ -92,9 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(str(run_dir / "config.yaml"))
         w = cfg.workload
         key = (cfg.seed, str(w.eval_prompts_path), w.preset, cfg.train.eval_size, cfg.sampling.max_new_tokens)
-        if key not in evaluators:
-            evaluators[key] = evaluator_of(cfg)
-        ev, student_dir = evaluators[key]
         seed = int(settings["seed"])
         jobs = (
             []
@@ -103,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         if seed not in seen_seeds:
             seen_seeds.add(seed)
-            jobs += [] if args.teacher_only else [("initial", "", 0, student_dir)]
+            jobs += [] if args.teacher_only else [("initial", "", 0, "")]  # "": the run's starting student
             jobs += [("teacher", "", 0, None)]
         for variant, lag, at, model_dir in jobs:
             if model_dir is None and key[1:] in teacher_of:
                 metrics, seconds = teacher_of[key[1:]], 0.0
             else:
+                if key not in evaluators:  # built (the teacher loaded) only when something is evaluated
+                    evaluators[key] = evaluator_of(cfg)
+                ev, student_dir = evaluators[key]
+                model_dir = student_dir if model_dir == "" else model_dir
                 model = ev.teacher if model_dir is None else load_model(model_dir, role="student")[0]
                 res = ev(model)
                 metrics, seconds = res.metrics, res.seconds
