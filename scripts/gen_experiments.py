@@ -1082,6 +1082,25 @@ def damage(sweep: Sweep, variant: str | None, lr: float, lag: float) -> dict[int
     return {s: at[s] - base[s] for s in at if s in base}
 
 
+def damage_rows(sweep: Sweep, variant: str | None, label: str) -> list[list[str]]:
+    """Per (η, S > 0): final exact match at (η, 0) and at (η, S), and the seed-paired damage."""
+    sel = {"variant": variant} if variant else {}
+    rows = []
+    for lr in sorted({float(r.settings["train.lr"]) for r in sweep.runs}):
+        for s in sorted(s for s in {r.settings["pipeline.max_lag"] for r in sweep.runs} if s > 0):
+            d = damage(sweep, variant, lr, s)
+            at = [sweep.select(**sel, **{"train.lr": lr, "pipeline.max_lag": x}) for x in (0, s)]
+            rows.append([
+                label, f"{lr:g}", f"{s:g}", f"{lr * s:g}", *(str(stat(acc_final(r) for r in a)) for a in at),
+                str(paired_difference(d, {k: 0.0 for k in d}, level=LEVEL)),
+            ])  # fmt: skip
+    return rows
+
+
+DAMAGE_HEAD = ["objective", "η", "S", "S·η", "exact match at S=0", "at S",
+               f"damage, mean [{LEVEL:.0%} CI] (n)"]  # fmt: skip
+
+
 def s_eta_parts(sweep: Sweep, variant: str | None, label: str, *, control: bool) -> tuple[dict, list]:
     lrs = sorted({float(r.settings["train.lr"]) for r in sweep.runs})
     lags = sorted(s for s in {r.settings["pipeline.max_lag"] for r in sweep.runs} if s > 0)
@@ -1138,8 +1157,11 @@ def s_eta_opd(sweep: Sweep | None, plots: Path) -> Section:
     parts, rows = s_eta_parts(sweep, "rkl_mc_stale", "stale reverse KL", control=False)
     control, _ = s_eta_parts(sweep, "forward_kl", "forward KL", control=True)
     parts |= control
-    body = ["Seed-paired differences of the damage (accuracy at (η, S) minus at (η, 0)) between settings of "
-            "equal S·η:", ""]  # fmt: skip
+    body = ["Final exact match and its damage (accuracy at (η, S) minus at (η, 0), paired by seed) per "
+            "setting:", ""]  # fmt: skip
+    body += md_table(DAMAGE_HEAD, damage_rows(sweep, "rkl_mc_stale", "stale reverse KL")
+                     + damage_rows(sweep, "forward_kl", "forward KL"))  # fmt: skip
+    body += ["", "Seed-paired differences of the damage between settings of equal S·η:", ""]
     body += md_table(["objective", "S·η", "pair", f"mean [{LEVEL:.0%} CI] (n)"], rows)
     body += ["", "Squared gradient bias over |g|² (ratio of sums over probes, bootstrap over seeds):", ""]
     body += md_table(["objective", "η", "S", "S·η", "bias² / |g|²"], bias_vs_s_eta(sweep, "rkl_mc_stale"))
@@ -1161,7 +1183,10 @@ def s_eta_grpo(sweep: Sweep | None, plots: Path) -> Section:
     if sweep is None or not sweep.runs:
         return missing(title, file, claim, sweep)
     parts, rows = s_eta_parts(sweep, None, "GRPO", control=False)
-    body = ["Seed-paired differences of the damage between settings of equal S·η:", ""]
+    body = ["Final exact match and its damage (accuracy at (η, S) minus at (η, 0), paired by seed) per "
+            "setting:", ""]  # fmt: skip
+    body += md_table(DAMAGE_HEAD, damage_rows(sweep, None, "GRPO"))
+    body += ["", "Seed-paired differences of the damage between settings of equal S·η:", ""]
     body += md_table(["objective", "S·η", "pair", f"mean [{LEVEL:.0%} CI] (n)"], rows)
     rule = (
         "as in 6, on the final exact match of GRPO runs (no dense gradient reference: RL has no KL estimand)."
