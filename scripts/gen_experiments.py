@@ -1082,18 +1082,24 @@ def damage(sweep: Sweep, variant: str | None, lr: float, lag: float) -> dict[int
     return {s: at[s] - base[s] for s in at if s in base}
 
 
+def s_eta_points(sweep: Sweep) -> list[tuple[float, float]]:
+    """The sweep's (η, S) settings with S > 0 (S = 0 is each η's reference)."""
+    lrs = sorted({float(r.settings["train.lr"]) for r in sweep.runs})
+    lags = sorted(s for s in {r.settings["pipeline.max_lag"] for r in sweep.runs} if s > 0)
+    return [(lr, s) for lr in lrs for s in lags]
+
+
 def damage_rows(sweep: Sweep, variant: str | None, label: str) -> list[list[str]]:
     """Per (η, S > 0): final exact match at (η, 0) and at (η, S), and the seed-paired damage."""
     sel = {"variant": variant} if variant else {}
     rows = []
-    for lr in sorted({float(r.settings["train.lr"]) for r in sweep.runs}):
-        for s in sorted(s for s in {r.settings["pipeline.max_lag"] for r in sweep.runs} if s > 0):
-            d = damage(sweep, variant, lr, s)
-            at = [sweep.select(**sel, **{"train.lr": lr, "pipeline.max_lag": x}) for x in (0, s)]
-            rows.append([
-                label, f"{lr:g}", f"{s:g}", f"{lr * s:g}", *(str(stat(acc_final(r) for r in a)) for a in at),
-                str(paired_difference(d, {k: 0.0 for k in d}, level=LEVEL)),
-            ])  # fmt: skip
+    for lr, s in s_eta_points(sweep):
+        d = damage(sweep, variant, lr, s)
+        at = [sweep.select(**sel, **{"train.lr": lr, "pipeline.max_lag": x}) for x in (0, s)]
+        rows.append([
+            label, f"{lr:g}", f"{s:g}", f"{lr * s:g}", *(str(stat(acc_final(r) for r in a)) for a in at),
+            str(paired_difference(d, {k: 0.0 for k in d}, level=LEVEL)),
+        ])  # fmt: skip
     return rows
 
 
@@ -1102,9 +1108,7 @@ DAMAGE_HEAD = ["objective", "η", "S", "S·η", "exact match at S=0", "at S",
 
 
 def s_eta_parts(sweep: Sweep, variant: str | None, label: str, *, control: bool) -> tuple[dict, list]:
-    lrs = sorted({float(r.settings["train.lr"]) for r in sweep.runs})
-    lags = sorted(s for s in {r.settings["pipeline.max_lag"] for r in sweep.runs} if s > 0)
-    points = [(lr, s) for lr in lrs for s in lags]
+    points = s_eta_points(sweep)
     top = max(points, key=lambda p: (p[0] * p[1], p[1]))
     d_top = paired_difference(damage(sweep, variant, *top), {k: 0.0 for k in damage(sweep, variant, *top)})
     parts: dict[str, bool | None] = {}
