@@ -1,5 +1,5 @@
 """What not waiting for a block's longest completion would buy a generator: the decode cost by
-live rows, measured, and heavy-tailed blocks replayed under four schedules.
+live rows, measured, and heavy-tailed blocks replayed under five schedules.
 
 A generator decodes a block of B rows until its longest completion ends, so
 with heavy-tailed lengths most decode steps carry rows that have finished. The ways out, in
@@ -8,6 +8,9 @@ order of engineering cost:
 - ``static``: every step runs all B rows (``HFEngine(compact=False)``);
 - ``compaction``: drop finished rows from the decode batch (a step with r live rows costs c(r));
   ``HFEngine(compact=True)``, the engine's default;
+- ``2 blocks at once``: two blocks decode in shared steps, each leaving when its own longest row
+  ends (``pipeline.continuous_batching``: a generator's two concurrent calls, one
+  ``ContinuousBatcher``); also run for real through the batcher on the check blocks;
 - ``continuous``: refill a freed slot with the next prompt (B live rows per step until the
   stream's tail; each refill prefills one prompt);
 - ``partial``: partial rollouts (AReaL, verl): a call takes its block's B prompts into a pool
@@ -99,6 +102,26 @@ def compaction(blocks: Sequence[np.ndarray], costs: Costs, prompt: int) -> Sched
     return Schedule("compaction", s, int(sum(b.sum() for b in blocks)), sum(len(b) for b in blocks))
 
 
+def two_blocks(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, at_once: int = 2) -> Schedule:
+    """``pipeline.continuous_batching``: ``at_once`` blocks decode in shared steps (finished rows
+    leave); a block leaves when its own longest row ends and the next block joins (its prefill)."""
+    queue = [np.asarray(b) for b in blocks]
+    running: list[list] = []  # [lengths, steps taken]
+    s = 0.0
+    while queue or running:
+        while queue and len(running) < at_once:
+            b = queue.pop(0)
+            s += len(b) * prompt * costs.prefill_per_token
+            running.append([b, 0])
+        s += costs.c(sum(int((b > t).sum()) for b, t in running))
+        for r in running:
+            r[1] += 1
+        running = [r for r in running if r[1] < int(r[0].max())]
+    return Schedule(
+        f"{at_once} blocks at once", s, int(sum(b.sum() for b in blocks)), sum(len(b) for b in blocks)
+    )
+
+
 def continuous(blocks: Sequence[np.ndarray], costs: Costs, prompt: int) -> Schedule:
     """B slots; a slot freed by a finished row takes the next prompt of the stream (one prefill)."""
     queue = [int(x) for b in blocks for x in b]
@@ -142,6 +165,30 @@ def partial(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, carry: int)
         calls_spanned_max=max(spans, default=1),
         spanning_frac=float(np.mean([k > 1 for k in spans])) if spans else 0.0,
     )
+
+
+def two_blocks_run(
+    engine: HFEngine, blocks: Sequence[np.ndarray], vocab: int, B: int, P: int, law: SamplingParams, n: int
+) -> float:
+    """Seconds for the first ``n`` blocks through a ``ContinuousBatcher`` with at most two in flight
+    (the prompts and seeds of the static / compaction checks: the same lengths)."""
+    from asyncrl.engines.continuous import ContinuousBatcher
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, vocab, (B, P), generator=gen) for _ in range(n)]
+    batcher = ContinuousBatcher(engine)
+    t0 = time.perf_counter()
+    futures = [batcher.submit(prompts[i], torch.ones_like(prompts[i], dtype=torch.bool), law, seed=i)
+               for i in range(min(2, n))]  # fmt: skip
+    for i in range(n):
+        got = futures[i].result().columns["completion_mask"].sum(1).numpy()
+        assert (got == blocks[i]).all(), f"batcher lengths {got} != budgets {blocks[i]}"
+        if i + 2 < n:  # a block ended: the actor's freed call takes the next one
+            ids = prompts[i + 2]
+            futures.append(batcher.submit(ids, torch.ones_like(ids, dtype=torch.bool), law, seed=i + 2))
+    seconds = time.perf_counter() - t0
+    batcher.close()
+    return seconds
 
 
 def timed(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -239,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     schedules = [
         static(blocks, costs, P),
         compaction(blocks, costs, P),
+        two_blocks(blocks, costs, P),
         continuous(blocks, costs, P),
         partial(blocks, costs, P, carry),
     ]
@@ -257,6 +305,10 @@ def main(argv: list[str] | None = None) -> dict:
             got = out["completion_mask"].sum(1).numpy()
             assert (got == blocks[seed]).all(), f"engine lengths {got} != budgets {blocks[seed]}"
         check[replay.__name__] = (real, replay(blocks[: args.check_blocks], costs, P).seconds)
+    # pipeline.continuous_batching: the same blocks through a ContinuousBatcher, two in flight at a
+    # time (a generator actor's two concurrent calls), against the two_blocks replay
+    check["two_blocks"] = (two_blocks_run(engines[True], blocks, vocab, B, P, law, args.check_blocks),
+                           two_blocks(blocks[: args.check_blocks], costs, P).seconds)  # fmt: skip
 
     lengths = np.concatenate(blocks)
     pad = 1 - lengths.sum() / sum(len(b) * int(b.max()) for b in blocks)

@@ -8,6 +8,8 @@ wrote (metrics.jsonl, samples.parquet), steady state = steps after the first two
 - ``samples/s``, ``tokens/s``: trained samples / completion tokens per second of learner time;
 - ``idle``: the learner's mean idle fraction (``throughput/learner_idle_frac``: waiting for data);
 - ``span``: the fraction of trained samples whose tokens come from more than one version;
+- ``shared``: with ``continuous`` (``pipeline.continuous_batching``), the mean fraction of a
+  block's decode steps that another block's rows shared;
 - ``tok_lag``: trained tokens per lag bucket (``token_lag_counts``);
 - ``kl_all`` / ``kl_span``: mean per-sample KL(behavior || current) (k3, ``kl_behavior_current``)
   over all trained samples / over those spanning versions: the spanning samples are where the
@@ -51,6 +53,12 @@ VARIANTS = {
     "off": ["pipeline.inflight_updates=false"],
     "recompute": ["pipeline.inflight_updates=true", "pipeline.engine_options.inflight_kv=recompute"],
     "keep": ["pipeline.inflight_updates=true", "pipeline.engine_options.inflight_kv=keep"],
+    # two blocks per generator at once, their rows in shared decode steps (in-flight recompute)
+    "continuous": [
+        "pipeline.inflight_updates=true",
+        "pipeline.engine_options.inflight_kv=recompute",
+        "pipeline.continuous_batching=true",
+    ],
 }
 
 
@@ -77,6 +85,10 @@ def figures(run_dir: Path, warmup: int = 2) -> dict[str, object]:
         "len_p90": float(kept["completion_len"].quantile(0.9)),
         "len_max": int(kept["completion_len"].max()),
         "padding_frac": float(np.mean([m[N.PADDING_FRAC] for m in steady])),
+        # continuous batching: mean over blocks of the fraction of decode steps shared with another block
+        "shared": float(s.groupby("block_index")["gen_shared_frac"].first().mean())
+        if "gen_shared_frac" in s
+        else 0.0,
         "final_loss": steps[-1]["loss"],
     }
 

@@ -232,6 +232,12 @@ def test_batching_headroom_replays_agree_where_they_must() -> None:
     linear = bh.Costs(step={1: 1.0, 8: 8.0}, prefill_per_token=0.0)  # c(r) = r: cost = tokens
     assert bh.compaction(tail, linear, 4).seconds == sum(int(b.sum()) for b in tail)
     assert bh.continuous(tail, flat, 4).seconds == 9  # 8 slots: the 9-token row outlasts all others
+    # two blocks at once, flat cost: both run beside the 9-token row (9 shared steps); one at a time
+    # is compaction; with c(r) = r sharing changes nothing (cost = tokens either way)
+    assert bh.two_blocks(tail, flat, 4).seconds == 9
+    assert bh.two_blocks(tail, linear, 4, at_once=1).seconds == bh.compaction(tail, linear, 4).seconds
+    linear16 = bh.Costs(step={1: 1.0, 16: 16.0}, prefill_per_token=0.0)  # c(r) = r up to both blocks' 16
+    assert bh.two_blocks(tail, linear16, 4).seconds == sum(int(b.sum()) for b in tail)
     # carry 8: call 1 holds its 8 rows undecoded; call 2 decodes 16 until at most 8 are unfinished
     # (2 steps: block 1's short rows, then block 2's); call 3 decodes 9 rows one step. The 9-token
     # row is still carried at the end: 23 rows emitted, block 1's 7 after spanning 2 calls.

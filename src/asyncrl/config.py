@@ -238,6 +238,14 @@ class PipelineConfig:
         help="with inflight_updates: decode steps between version checks (a check never waits: it reads "
         "the answer of the PolicyStore call sent at the previous check)",
     )
+    continuous_batching: bool = field(
+        False,
+        help="each generator runs two blocks at once and decodes their rows in shared steps (Ray Data's "
+        "max_concurrent_calls_per_actor; asyncrl.engines.continuous): while a block's long rows finish, the "
+        "next block's rows fill the decode batch. A block admitted with newer weights switches the older "
+        "one's unfinished rows to them, so it requires inflight_updates=true; engine=hf on its fast "
+        "decode path (Llama / Qwen3)",
+    )
     provenance: Literal["strict", "warn", "off"] = field(
         "strict",
         help="check that every rollout was sampled with the weights the learner published at the version it "
@@ -288,6 +296,14 @@ class PipelineConfig:
                 f"thread with its own engine) ({fix})",
             )
         check(self.inflight_poll_steps >= 1, "inflight_poll_steps", self.inflight_poll_steps, "use >= 1")
+        check(
+            not self.continuous_batching or self.inflight_updates,
+            "continuous_batching",
+            self.continuous_batching,
+            "a block admitted with newer weights loads them while the other block's rows are still "
+            "decoding, which is an in-flight update: set pipeline.inflight_updates=true (or "
+            "continuous_batching=false)",
+        )
         if self.inflight_updates:
             check(
                 not self.colocate,

@@ -238,6 +238,7 @@ def stage_specs(plan: RunPlan, namespace: str, store_name: str, *, stream: int |
         faults=faults,
         inflight_updates=pc.inflight_updates,
         inflight_poll_steps=pc.inflight_poll_steps,
+        continuous_batching=pc.continuous_batching,
     )
     if plan.rl:
         return StageSpecs(
@@ -282,6 +283,26 @@ def actor_memory(*model_dirs: str | None, dtype_bytes: int = 4, extra: int = 0) 
             stored += sum(f.stat().st_size for f in Path(d).glob("pytorch_model*.bin"))
             total += 3 * stored * dtype_bytes // 4
     return int(total)
+
+
+def generator_pool(pc: Any) -> Any:
+    """The generator stage's actor pool: one block per actor at a time, or, with
+    ``pipeline.continuous_batching``, two running at once in threads of the actor (Ray Data's
+    ``max_concurrent_calls_per_actor``) whose rows one ``ContinuousBatcher`` decodes together."""
+    import ray
+
+    if not pc.continuous_batching:
+        return ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1)
+    return ray.data.ActorPoolStrategy(
+        size=pc.generators,
+        max_tasks_in_flight_per_actor=CONCURRENT_BLOCKS,
+        max_concurrent_calls_per_actor=CONCURRENT_BLOCKS,
+        enable_true_multi_threading=True,
+    )
+
+
+#: blocks a generator runs at once with ``pipeline.continuous_batching`` (the one finishing, the next)
+CONCURRENT_BLOCKS = 2
 
 
 def _stage_memory(plan: RunPlan) -> tuple[int, int, int]:
@@ -350,7 +371,7 @@ def build_dataset(
         return ds.map_batches(
             GenerateAndScore,
             batch_size=local,
-            compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
+            compute=generator_pool(pc),
             num_cpus=pc.cpus_per_actor,
             num_gpus=actor_gpus,
             resources=dict(pc.generator_resources) or None,
@@ -360,7 +381,7 @@ def build_dataset(
     ds = ds.map_batches(
         Generate,
         batch_size=local,
-        compute=ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1),
+        compute=generator_pool(pc),
         num_cpus=pc.cpus_per_actor,
         num_gpus=actor_gpus,
         resources=dict(pc.generator_resources) or None,

@@ -202,6 +202,16 @@ def check_components(cfg: RunConfig, student_dir: str | None) -> tuple[Any, str 
                 f"or inflight_updates=false",
             )
         options = {**options, "inflight_updates": True}
+    if cfg.pipeline.continuous_batching:  # the engine must step several rollouts together
+        if not getattr(engine, "supports_continuous_batching", False):
+            raise ConfigError(
+                "pipeline.continuous_batching",
+                True,
+                f"engine {cfg.pipeline.engine!r} cannot decode several blocks in shared steps "
+                f"(asyncrl.engines.continuous needs HFEngine's fast decode path): use pipeline.engine=hf "
+                f"or continuous_batching=false",
+            )
+        options = {**options, "continuous_batching": True}
     engine.check_supported(student_dir, SamplingParams(**to_dict(cfg.sampling)), **options)
     pc = cfg.pipeline
     chain = build_chain(controller_specs(cfg))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -31,6 +32,7 @@ from asyncrl.caches import CACHES, score_teacher
 from asyncrl.coordinator import CoordinatorError, LocalWeights, PolicyStoreClient, VersionWatch
 from asyncrl.engines import ENGINES
 from asyncrl.engines.base import EngineDeadError, SamplingParams
+from asyncrl.engines.continuous import ContinuousBatcher
 from asyncrl.faults import NO_FAULTS, Faults
 from asyncrl.provenance import NO_FINGERPRINT, NOT_REPORTED, combine, row_versions
 from asyncrl.records import pad_to
@@ -85,6 +87,10 @@ def pad_rollout(out: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[
     return {k: pad_to(v, length, fill.get(k, 0.0)) for k, v in out.items()}
 
 
+#: held by the thread that reports this process's engine death and exits (``Generate._restart_or_fail``)
+_DYING = threading.Lock()
+
+
 def _exit_process(code: int) -> None:
     """Exit now, without cleanup (a dead engine may hang it); Ray restarts the actor."""
     os._exit(code)
@@ -93,9 +99,10 @@ def _exit_process(code: int) -> None:
 class Generate:
     """Ray Data actor UDF holding one rollout engine for the actor's lifetime."""
 
-    #: pipeline.inflight_updates / inflight_poll_steps (class defaults: off)
+    #: pipeline.inflight_updates / inflight_poll_steps / continuous_batching (class defaults: off)
     inflight_updates = False
     inflight_poll_steps = 1
+    batcher: ContinuousBatcher | None = None
 
     def __init__(
         self,
@@ -117,6 +124,7 @@ class Generate:
         local_weights: LocalWeights | None = None,
         inflight_updates: bool = False,
         inflight_poll_steps: int = 1,
+        continuous_batching: bool = False,
     ) -> None:
         if model is not None:  # a learner worker's own model (``pipeline.colocate``): no weights to load
             from asyncrl.engines.hf import HFEngine
@@ -159,11 +167,23 @@ class Generate:
         self.inflight_poll_steps = inflight_poll_steps
         self.inflight_loads = 0  # weights loaded mid-rollout (telemetry)
         self.inflight_polls = 0  # mid-rollout checks (faults.engine_dies_mid_sequence counts them)
+        #: pipeline.continuous_batching: the blocks this actor runs at once share decode steps
+        if continuous_batching:
+            if not inflight_updates:
+                raise ValueError("continuous_batching needs inflight_updates (pipeline.continuous_batching)")
+            self._watch = VersionWatch(self.store, self.engine.version)
+            self.batcher = ContinuousBatcher(
+                self.engine, load=self._load, poll=self._batcher_poll, poll_every=inflight_poll_steps
+            )
 
     def _restart_or_fail(self, err: EngineDeadError) -> None:
         """Crash-only recovery: exit this actor's process so Ray Data restarts it (a fresh engine,
         the latest weights) and re-runs the block under its admission key; fail the run instead
         once the run's engine deaths exceed ``max_engine_restarts``."""
+        with _DYING:  # two blocks of one actor (continuous batching) see the same death: count it once
+            self._count_death_or_fail(err)
+
+    def _count_death_or_fail(self, err: EngineDeadError) -> None:
         deaths = self.store.engine_died()
         if deaths > self.max_engine_restarts:
             raise RuntimeError(
@@ -208,11 +228,7 @@ class Generate:
         watch = VersionWatch(self.store, self.engine.version)
 
         def poll() -> None:
-            self.inflight_polls += 1
-            if self.faults.once("engine_dies_mid_sequence", self.inflight_polls):
-                what = f"engine_dies_mid_sequence at check {self.inflight_polls}"
-                print(f"asyncrl: fault injected: {what}", flush=True)
-                raise EngineDeadError(f"fault injected: {what} (the engine died mid-rollout)")
+            self._check_alive()
             got = watch.poll()
             if got is not None:
                 self.inflight_loads += 1
@@ -220,6 +236,23 @@ class Generate:
             return None
 
         return poll
+
+    def _check_alive(self) -> None:
+        """One mid-rollout check (the ``engine_dies_mid_sequence`` fault counts them)."""
+        self.inflight_polls += 1
+        if self.faults.once("engine_dies_mid_sequence", self.inflight_polls):
+            what = f"engine_dies_mid_sequence at check {self.inflight_polls}"
+            print(f"asyncrl: fault injected: {what}", flush=True)
+            raise EngineDeadError(f"fault injected: {what} (the engine died mid-rollout)")
+
+    def _batcher_poll(self) -> tuple[int, Any] | None:
+        """The ``ContinuousBatcher``'s check for newer weights (its thread loads what this returns)."""
+        self._check_alive()
+        self._watch.have = max(self._watch.have, self.engine.version)  # admissions load too
+        got = self._watch.poll()
+        if got is not None and got[0] > self.engine.version:
+            self.inflight_loads += 1
+        return got
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch[R.SAMPLE_ID])
@@ -237,18 +270,34 @@ class Generate:
         self.faults.delay(self.seed, block)
         t_start = time.perf_counter()
         seed = batch_seed(self.seed, batch[R.SAMPLE_ID])
+        prompts = R.to_torch({k: batch[k] for k in (R.PROMPT_IDS, R.PROMPT_MASK)})
         try:
-            self._sync_weights(admitted)
-            prompts = R.to_torch({k: batch[k] for k in (R.PROMPT_IDS, R.PROMPT_MASK)})
-            poll = self._poll_weights(admitted)
-            inflight = {} if poll is None else {"poll_weights": poll, "poll_every": self.inflight_poll_steps}
-            out = self.engine.generate(
-                prompts[R.PROMPT_IDS],
-                prompts[R.PROMPT_MASK],
-                self.params,
-                seed=seed,
-                **inflight,
-            )
+            if self.batcher is not None:  # shares decode steps with this actor's other block
+                if admitted.get("behavior_version") is not None:
+                    raise ValueError(
+                        f"block {block} was admitted with a pinned behavior version "
+                        f"{admitted['behavior_version']}, which continuous batching cannot keep (the "
+                        f"blocks share one engine's weights): use pipeline.lag_mode=bound"
+                    )
+                batched = self.batcher.submit(
+                    prompts[R.PROMPT_IDS], prompts[R.PROMPT_MASK], self.params, seed=seed,
+                    weights=admitted["weights"],
+                ).result()  # fmt: skip
+                out, shared = batched.columns, batched.shared_frac
+            else:
+                shared = 0.0
+                self._sync_weights(admitted)
+                poll = self._poll_weights(admitted)
+                inflight = (
+                    {} if poll is None else {"poll_weights": poll, "poll_every": self.inflight_poll_steps}
+                )
+                out = self.engine.generate(
+                    prompts[R.PROMPT_IDS],
+                    prompts[R.PROMPT_MASK],
+                    self.params,
+                    seed=seed,
+                    **inflight,
+                )
         except EngineDeadError as err:
             self._restart_or_fail(err)
         out = pad_rollout(out, self.params.max_new_tokens, getattr(self.engine, "pad_id", 0))
@@ -275,6 +324,8 @@ class Generate:
         result["gen_time_s"] = np.full(n, time.perf_counter() - t_start, dtype=np.float64)
         result["gen_done_at"] = np.full(n, time.time(), dtype=np.float64)
         result["gen_node"] = np.full(n, node_id(), dtype=object)
+        # continuous batching: the fraction of this block's decode steps another block's rows shared
+        result["gen_shared_frac"] = np.full(n, shared, dtype=np.float64)
         return R.to_numpy(result)
 
     def _check_budgets(self, mask: torch.Tensor, seed: int) -> None:

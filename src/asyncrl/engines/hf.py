@@ -121,6 +121,8 @@ class HFEngine:
 
     name = "hf"
     supports_mc = True
+    #: several rollouts step together (``asyncrl.engines.continuous``) on the fast decode path
+    supports_continuous_batching = True
 
     def __init__(
         self,
@@ -275,13 +277,31 @@ class HFEngine:
                 "pipeline.engine_options.decode='fast' runs merged weights only, and lora_merge=false "
                 "keeps the LoRA adapters unmerged: set lora_merge=true or decode='auto'"
             )
+        continuous = bool(options.get("continuous_batching"))
+        if continuous and decode == "hf":
+            raise ValueError(
+                "pipeline.continuous_batching steps the rollouts of several blocks together on the fast "
+                "decode path, and pipeline.engine_options.decode='hf' turns it off: use decode='auto' or "
+                "'fast', or continuous_batching=false"
+            )
+        if continuous and options.get("lora") is not None and not options.get("lora_merge", True):
+            raise ValueError(
+                "pipeline.continuous_batching runs merged weights only (the fast decode path), and "
+                "lora_merge=false keeps the LoRA adapters unmerged: set lora_merge=true or "
+                "continuous_batching=false"
+            )
         if path is None:
             return
         p = checkpoint_dir(path)
-        if decode == "fast":
+        if decode == "fast" or continuous:
             from transformers import AutoConfig
 
             why_not = config_unsupported_reason(AutoConfig.from_pretrained(str(p), local_files_only=True))
+            if why_not is not None and continuous:
+                raise ValueError(
+                    f"pipeline.continuous_batching needs HFEngine's fast decode path, which cannot run "
+                    f"{str(p)!r}: {why_not}; set continuous_batching=false"
+                )
             if why_not is not None:
                 raise ValueError(
                     f"pipeline.engine_options.decode='fast' cannot run {str(p)!r}: {why_not}; "
@@ -367,69 +387,41 @@ class HFEngine:
         the step that padded it. Padded positions hold the pad id and log-probability 0. The draws
         do not depend on when a switch happens except through the logits (one generator stream).
         """
+        if poll_weights is not None and poll_every < 1:
+            raise ValueError(f"poll_every must be >= 1 decode steps, got {poll_every}")
+        ro = self.start_rollout(
+            prompt_ids, prompt_mask, params, seed=seed, track_versions=poll_weights is not None
+        )
+        while not ro.draw():
+            due = poll_weights is not None and (ro.t + 1) % poll_every == 0
+            if due and self._poll(poll_weights, [ro.dec]) and ro.switched(self._version, self.inflight_kv):
+                continue  # the recompute's logits predict the next token
+            ro.logits = ro.dec.step(ro.tokens, ro.t)
+        return ro.result()
+
+    def start_rollout(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        *,
+        seed: int,
+        track_versions: bool,
+    ) -> _Rollout:
+        """Prefill left-padded prompts [B, P] and return the rollout's decode state (``_Rollout``):
+        ``generate`` drives one; ``asyncrl.engines.continuous.ContinuousBatcher`` steps several
+        together. ``track_versions``: keep a [B, T] version per token (weights may change mid-rollout)."""
         device = _device_of(self.model)
         limit = ("the model's max_position_embeddings", self.max_positions)
         prompt_ids, prompt_mask = check_prompts(prompt_ids, prompt_mask, params, self.vocab_size, limit)
-        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-        B = prompt_ids.shape[0]
-        N, m = params.max_new_tokens, params.mc_samples
-        k = max(m, 1)  # draws per position; column 0 is the generated token
-
-        eos = torch.tensor(self.eos_ids, device=device)
-        gen = torch.Generator(device=device).manual_seed(int(seed))
-
-        mask = torch.zeros((B, N), dtype=torch.bool, device=device)
-        draws_out = torch.full((B, N, k), self.pad_id, dtype=torch.int64, device=device)
-        logp_out = torch.zeros((B, N, k), dtype=torch.float32, device=device)
-        finished = torch.zeros(B, dtype=torch.bool, device=device)
-        budgets = params.token_budgets(B, seed)  # heavy_tail: per-row stop after L_i tokens
-        budget = None if budgets is None else torch.as_tensor(budgets, device=device)
-
         dec = LlamaDecoder(self._decode_model) if self.decode_path == "fast" else _ModelDecoder(self)
-        logits = dec.start(prompt_ids, prompt_mask, records.position_ids(prompt_mask), N)
-        if poll_weights is not None and poll_every < 1:
-            raise ValueError(f"poll_every must be >= 1 decode steps, got {poll_every}")
-        # token t's version: the weights that computed the logits it was drawn from
-        versions = None
-        if poll_weights is not None:
-            versions = torch.full((B, N), self._version, dtype=torch.int32, device=device)
-        rows = torch.arange(B, device=device)  # the batch row of each of the decoder's rows
-        compact = self.compact and dec.can_select
-        T = 0
-        for t in range(N):
-            u = _uniforms(gen, B, k, params.temperature, device)  # all B rows: one stream either way
-            draws, logp = _draw(logits, params.temperature, k, None if u is None else u[rows])  # [r, k]
-            live = ~finished[rows]
-            draws = torch.where(live[:, None], draws, self.pad_id)
-            draws_out[rows, t] = draws
-            logp_out[rows, t] = torch.where(live[:, None], logp, 0.0)
-            mask[rows, t] = live
-            ended = torch.isin(draws[:, 0], eos)
-            if budget is not None:
-                ended = ended | (budget[rows] <= t + 1)
-            finished[rows] = finished[rows] | ended
-            T = t + 1
-            if t == N - 1 or bool(finished.all()):
-                break
-            if compact and bool(ended.any()):  # finished rows leave the decode batch
-                keep = ~ended
-                dec.select(keep)
-                rows, draws = rows[keep], draws[keep]
-            if poll_weights is not None and (t + 1) % poll_every == 0 and self._poll(poll_weights, dec):
-                versions[:, t + 1 :] = self._version  # type: ignore[index]
-                if self.inflight_kv == "recompute":  # K/V of prompt + tokens 0..t with the new weights
-                    logits = dec.recompute(draws_out[rows, : t + 1, 0])
-                    continue
-            logits = dec.step(draws[:, 0], t)
+        return _Rollout(
+            self, dec, prompt_ids.to(device), prompt_mask.to(device), params, seed, track_versions
+        )
 
-        version: int | torch.Tensor = self._version if versions is None else versions[:, :T]
-        return pack_rollout(draws_out[:, :T], logp_out[:, :T], mask[:, :T], version=version, mc_samples=m)
-
-    def _poll(self, poll_weights: WeightsPoll, dec: LlamaDecoder | _ModelDecoder) -> bool:
+    def _poll(self, poll_weights: WeightsPoll, decoders: list[Any]) -> bool:
         """Ask for newer weights mid-rollout and switch to them (class docstring); True if the
-        version changed. A fast decoder re-gathers its fused copies and is checked against the live
-        parameters: if a copy is stale, the version's fingerprint is made to match no published
-        weights, so the learner's provenance check fails naming this engine."""
+        version changed."""
         before = self._version
         got = poll_weights()
         if got is not None:
@@ -437,18 +429,127 @@ class HFEngine:
             self.load_weights(state, version)
         if self._version == before:
             return False
-        if isinstance(dec, LlamaDecoder):
-            self._reload_decoder(dec)
-            stale = sum(not same_elements(live, held) for live, held in dec.held_weights())
-            if stale:
-                v = self._version
-                self.fingerprints[v] = stale_fingerprint(self.fingerprints[v], stale)
+        self.refresh_decoders(decoders)
         return True
+
+    def refresh_decoders(self, decoders: list[Any]) -> None:
+        """After a load mid-rollout: fast decoders re-gather their fused copies (the first one; the
+        others read through it, ``LlamaDecoder.adopt_weights``) and are checked against the live
+        parameters: if a copy is stale, the version's fingerprint is made to match no published
+        weights, so the learner's provenance check fails naming this engine."""
+        fast = [d for d in decoders if isinstance(d, LlamaDecoder)]
+        if not fast:
+            return
+        shared = fast[0]._layers
+        self._reload_decoder(fast[0])
+        for d in fast[1:]:
+            if d._layers is shared:
+                d.adopt_weights(fast[0])
+            else:
+                self._reload_decoder(d)
+        stale = sum(not same_elements(live, held) for d in fast for live, held in d.held_weights())
+        if stale:
+            v = self._version
+            self.fingerprints[v] = stale_fingerprint(self.fingerprints[v], stale)
 
     def _reload_decoder(self, dec: LlamaDecoder) -> None:
         """Re-gather the fast decoder's copies of the weights just loaded (a seam for tests that
         inject an engine keeping stale derived state)."""
         dec.reload()
+
+
+class _Rollout:
+    """One ``generate`` call's decode state, advanced one token at a time (``draw``), so that one
+    rollout (``HFEngine.generate``) or several stepped together (``ContinuousBatcher``) run the
+    same code. After ``draw`` returns False, the caller computes the next ``logits`` from
+    ``tokens`` at step ``t`` (``dec.step`` or ``step_together``), or calls ``switched``.
+
+    The uniforms are drawn for all B rows every step (one generator stream per rollout, seeded
+    by ``seed``), so a rollout's draws do not depend on which other rollouts share its steps,
+    only on its logits."""
+
+    def __init__(
+        self,
+        engine: HFEngine,
+        dec: Any,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        params: SamplingParams,
+        seed: int,
+        track_versions: bool,
+    ) -> None:
+        device = prompt_ids.device
+        B = prompt_ids.shape[0]
+        self.N, self.m = params.max_new_tokens, params.mc_samples
+        self.k = max(self.m, 1)  # draws per position; column 0 is the generated token
+        self.temperature = params.temperature
+        self.pad_id = engine.pad_id
+        self.eos = torch.tensor(engine.eos_ids, device=device)
+        self.gen = torch.Generator(device=device).manual_seed(int(seed))
+        self.mask = torch.zeros((B, self.N), dtype=torch.bool, device=device)
+        self.draws_out = torch.full((B, self.N, self.k), self.pad_id, dtype=torch.int64, device=device)
+        self.logp_out = torch.zeros((B, self.N, self.k), dtype=torch.float32, device=device)
+        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
+        budgets = params.token_budgets(B, seed)  # heavy_tail: per-row stop after L_i tokens
+        self.budget = None if budgets is None else torch.as_tensor(budgets, device=device)
+        self.version = engine.version
+        # token t's version: the weights that computed the logits it was drawn from
+        self.versions = (
+            torch.full((B, self.N), engine.version, dtype=torch.int32, device=device)
+            if track_versions
+            else None
+        )
+        self.rows = torch.arange(B, device=device)  # the batch row of each of the decoder's rows
+        self.dec = dec
+        self.logits = dec.start(prompt_ids, prompt_mask, records.position_ids(prompt_mask), self.N)
+        self.compact = engine.compact and dec.can_select  # (the transformers cache exists after start)
+        self.t = -1  # the last token drawn
+        self.tokens = torch.empty(0, dtype=torch.int64, device=device)  # live rows' token t
+
+    def draw(self) -> bool:
+        """Draw token ``t + 1`` from ``logits`` for the live rows; True when the rollout is done."""
+        self.t = t = self.t + 1
+        B, rows = self.mask.shape[0], self.rows
+        u = _uniforms(self.gen, B, self.k, self.temperature, self.mask.device)  # all B rows: one stream
+        draws, logp = _draw(self.logits, self.temperature, self.k, None if u is None else u[rows])  # [r, k]
+        live = ~self.finished[rows]
+        draws = torch.where(live[:, None], draws, self.pad_id)
+        self.draws_out[rows, t] = draws
+        self.logp_out[rows, t] = torch.where(live[:, None], logp, 0.0)
+        self.mask[rows, t] = live
+        ended = torch.isin(draws[:, 0], self.eos)
+        if self.budget is not None:
+            ended = ended | (self.budget[rows] <= t + 1)
+        self.finished[rows] = self.finished[rows] | ended
+        if t == self.N - 1 or bool(self.finished.all()):
+            return True
+        if self.compact and bool(ended.any()):  # finished rows leave the decode batch
+            keep = ~ended
+            self.dec.select(keep)
+            self.rows, draws = rows[keep], draws[keep]
+        self.tokens = draws[:, 0]
+        return False
+
+    def switched(self, version: int, kv: str) -> bool:
+        """The engine now holds ``version`` (loaded after token ``t``): later tokens carry it. With
+        ``kv == "recompute"`` the prefix's K/V is rebuilt with the new weights and ``logits`` set
+        from it (returns True: no step to take); ``"keep"`` continues on the old K/V (False)."""
+        if self.versions is None:
+            raise RuntimeError("a rollout started with track_versions=False cannot switch weights")
+        self.version = version
+        self.versions[:, self.t + 1 :] = version
+        if kv == "recompute":  # K/V of prompt + tokens 0..t with the new weights
+            self.logits = self.dec.recompute(self.draws_out[self.rows, : self.t + 1, 0])
+            return True
+        return False
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The ``RolloutEngine.generate`` columns (``pack_rollout``), trimmed to the longest row."""
+        T = self.t + 1
+        version: int | torch.Tensor = self.version if self.versions is None else self.versions[:, :T]
+        return pack_rollout(
+            self.draws_out[:, :T], self.logp_out[:, :T], self.mask[:, :T], version=version, mc_samples=self.m
+        )
 
 
 class _ModelDecoder:

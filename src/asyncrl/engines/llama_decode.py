@@ -196,10 +196,7 @@ class LlamaDecoder:
 
     def step(self, token_ids: torch.Tensor, t: int) -> torch.Tensor:
         """Feed generated token ``t`` ([B] or [B, 1]) at slot ``P + t``; logits [B, V]."""
-        inner = self.model.model
-        pos = self._next_pos + t  # [B]
-        cos, sin = self._cos[pos][:, None, None], self._sin[pos][:, None, None]  # [B, 1, 1, D]
-        h = F.embedding(token_ids.reshape(-1, 1), inner.embed_tokens.weight)
+        h, cos, sin = self._step_inputs(token_ids, t)
         s = self._P + t
         return self._forward(h, cos, sin, self._valid[..., : s + 1], s, s + 1)
 
@@ -226,34 +223,107 @@ class LlamaDecoder:
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, lo: int, hi: int
     ) -> torch.Tensor:
         """Run every layer on hidden ``h`` [B, S, d] for cache slots ``lo:hi``; last-position logits."""
-        B, S, _ = h.shape
-        nq, nkv, D = self.n_heads, self.n_kv, self.head_dim
-        for i, w in enumerate(self._layers):
-            x = _rms(h, w.norm1, w.eps1)
-            qkv = F.linear(x, w.qkv, w.qkv_b).view(B, S, nq + 2 * nkv, D)
-            if w.q_norm is None:
-                qk = qkv[:, :, : nq + nkv].transpose(1, 2)  # [B, H, S, D]
-            else:  # qwen3: RMSNorm over each query / key head's dims, before RoPE
-                q = _rms(qkv[:, :, :nq], w.q_norm, w.qk_eps)
-                qk = torch.cat([q, _rms(qkv[:, :, nq : nq + nkv], w.k_norm, w.qk_eps)], 2).transpose(1, 2)
-            qk = qk * cos + _rotate_half(qk) * sin  # RoPE on the query and key heads at once
-            k_buf, v_buf = self._k[i], self._v[i]
-            k_buf[:, :, lo:hi] = qk[:, nq:]
-            v_buf[:, :, lo:hi] = qkv[:, :, nq + nkv :].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                qk[:, :nq],
-                k_buf[:, :, :hi],
-                v_buf[:, :, :hi],
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=nkv != nq,
+        return _run_layers(self, h, cos, sin, [_Part(self, 0, h.shape[0], mask, lo, hi)])
+
+    def adopt_weights(self, other: LlamaDecoder) -> None:
+        """Read the weights through ``other``'s gathered copies (decoders of one model that step
+        together, ``step_together``: one copy, one ``reload``)."""
+        if other.model is not self.model:
+            raise ValueError("adopt_weights: the decoders must run the same model")
+        self._layers, self._final, self._head = other._layers, other._final, other._head
+
+    def _step_inputs(self, token_ids: torch.Tensor, t: int) -> tuple[torch.Tensor, ...]:
+        """Hidden, cos, sin of generated token ``t`` ([B] ids) and its cache slot ``P + t``."""
+        pos = self._next_pos + t  # [B]
+        cos, sin = self._cos[pos][:, None, None], self._sin[pos][:, None, None]  # [B, 1, 1, D]
+        h = F.embedding(token_ids.reshape(-1, 1), self.model.model.embed_tokens.weight)
+        return h, cos, sin
+
+
+class _Part(NamedTuple):
+    """Rows ``lo_row:hi_row`` of a fused batch belong to ``decoder``; they write its cache slots
+    ``lo:hi`` and attend under ``mask``."""
+
+    decoder: LlamaDecoder
+    lo_row: int
+    hi_row: int
+    mask: torch.Tensor
+    lo: int
+    hi: int
+
+
+def _run_layers(
+    owner: LlamaDecoder, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: list[_Part]
+) -> torch.Tensor:
+    """Every layer over hidden ``h`` [R, S, d] with ``owner``'s weights: the projections and the
+    MLP (the part of a step that reads the weights) as one matmul over all R rows, attention per
+    part, each over its own decoder's K/V buffers. Returns the last position's logits [R, V]."""
+    R, S, _ = h.shape
+    nq, nkv, D = owner.n_heads, owner.n_kv, owner.head_dim
+    for i, w in enumerate(owner._layers):
+        x = _rms(h, w.norm1, w.eps1)
+        qkv = F.linear(x, w.qkv, w.qkv_b).view(R, S, nq + 2 * nkv, D)
+        if w.q_norm is None:
+            qk = qkv[:, :, : nq + nkv].transpose(1, 2)  # [R, H, S, D]
+        else:  # qwen3: RMSNorm over each query / key head's dims, before RoPE
+            q = _rms(qkv[:, :, :nq], w.q_norm, w.qk_eps)
+            qk = torch.cat([q, _rms(qkv[:, :, nq : nq + nkv], w.k_norm, w.qk_eps)], 2).transpose(1, 2)
+        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on the query and key heads at once
+        outs = []
+        for part in parts:
+            a, b = part.lo_row, part.hi_row
+            k_buf, v_buf = part.decoder._k[i], part.decoder._v[i]
+            k_buf[:, :, part.lo : part.hi] = qk[a:b, nq:]
+            v_buf[:, :, part.lo : part.hi] = qkv[a:b, :, nq + nkv :].transpose(1, 2)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    qk[a:b, :nq],
+                    k_buf[:, :, : part.hi],
+                    v_buf[:, :, : part.hi],
+                    attn_mask=part.mask,
+                    scale=owner.scale,
+                    enable_gqa=nkv != nq,
+                )
             )
-            h = h + F.linear(o.transpose(1, 2).reshape(B, S, nq * D), w.o, w.o_b)
-            x = _rms(h, w.norm2, w.eps2)
-            gate, up = F.linear(x, w.gate_up, w.gate_up_b).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down, w.down_b)
-        x = _rms(h[:, -1], *self._final)
-        return F.linear(x, *self._head).float()
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        h = h + F.linear(o.transpose(1, 2).reshape(R, S, nq * D), w.o, w.o_b)
+        x = _rms(h, w.norm2, w.eps2)
+        gate, up = F.linear(x, w.gate_up, w.gate_up_b).chunk(2, dim=-1)
+        h = h + F.linear(F.silu(gate) * up, w.down, w.down_b)
+    x = _rms(h[:, -1], *owner._final)
+    return F.linear(x, *owner._head).float()
+
+
+def step_together(
+    decoders: list[LlamaDecoder], token_ids: list[torch.Tensor], ts: list[int]
+) -> list[torch.Tensor]:
+    """One decode step of several decoders as one batch (continuous batching across rollouts):
+    decoder ``j`` feeds its generated token ``ts[j]`` (``token_ids[j]`` [B_j]) as ``step`` would,
+    and gets its logits [B_j, V]. At these sizes a step is mostly reading the weights (the real
+    student: 20 ms with 1 row, 35 ms with 8), so rows of several rollouts share that read; each
+    rollout keeps its own K/V buffers, slots and positions, so only attention runs per decoder.
+
+    Every decoder must hold the same weights (``adopt_weights`` of the first one); the first
+    decoder's are used. Logits equal each decoder's own ``step`` to float rounding (a row's
+    matmul runs in a different batch)."""
+    if not decoders or not (len(decoders) == len(token_ids) == len(ts)):
+        raise ValueError("step_together needs one token tensor and one t per decoder")
+    owner = decoders[0]
+    if any(d._layers is not owner._layers for d in decoders[1:]):
+        raise ValueError("step_together: every decoder must adopt_weights of the first one")
+    if len(decoders) == 1:
+        return [owner.step(token_ids[0], ts[0])]
+    hs, coss, sins, parts, row = [], [], [], [], 0
+    for dec, ids, t in zip(decoders, token_ids, ts):
+        h, cos, sin = dec._step_inputs(ids, t)
+        s = dec._P + t
+        parts.append(_Part(dec, row, row + h.shape[0], dec._valid[..., : s + 1], s, s + 1))
+        hs.append(h)
+        coss.append(cos)
+        sins.append(sin)
+        row += h.shape[0]
+    logits = _run_layers(owner, torch.cat(hs), torch.cat(coss), torch.cat(sins), parts)
+    return [logits[p.lo_row : p.hi_row] for p in parts]
 
 
 class _LayerWeights(NamedTuple):
@@ -318,4 +388,4 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-__all__ = ["LlamaDecoder", "config_unsupported_reason", "unsupported_reason"]
+__all__ = ["LlamaDecoder", "config_unsupported_reason", "step_together", "unsupported_reason"]

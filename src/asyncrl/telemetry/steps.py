@@ -61,6 +61,7 @@ BATCH_EXTRAS = (
     "gen_time_s",
     "gen_wait_s",
     "gen_done_at",
+    "gen_shared_frac",
     "score_time_s",
     "score_done_at",
     "consumed_at",
