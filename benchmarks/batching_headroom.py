@@ -170,22 +170,32 @@ def partial(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, carry: int)
 def two_blocks_run(
     engine: HFEngine, blocks: Sequence[np.ndarray], vocab: int, B: int, P: int, law: SamplingParams, n: int
 ) -> float:
-    """Seconds for the first ``n`` blocks through a ``ContinuousBatcher`` with at most two in flight
-    (the prompts and seeds of the static / compaction checks: the same lengths)."""
+    """Seconds for the first ``n`` blocks through a ``ContinuousBatcher`` with at most two in flight,
+    the next submitted as soon as either ends (a generator actor's two concurrent calls); the
+    prompts and seeds of the static / compaction checks, so the same lengths."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
     from asyncrl.engines.continuous import ContinuousBatcher
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, vocab, (B, P), generator=gen) for _ in range(n)]
     batcher = ContinuousBatcher(engine)
+
+    def submit(i: int):
+        return batcher.submit(prompts[i], torch.ones_like(prompts[i], dtype=torch.bool), law, seed=i)
+
     t0 = time.perf_counter()
-    futures = [batcher.submit(prompts[i], torch.ones_like(prompts[i], dtype=torch.bool), law, seed=i)
-               for i in range(min(2, n))]  # fmt: skip
-    for i in range(n):
-        got = futures[i].result().columns["completion_mask"].sum(1).numpy()
-        assert (got == blocks[i]).all(), f"batcher lengths {got} != budgets {blocks[i]}"
-        if i + 2 < n:  # a block ended: the actor's freed call takes the next one
-            ids = prompts[i + 2]
-            futures.append(batcher.submit(ids, torch.ones_like(ids, dtype=torch.bool), law, seed=i + 2))
+    running = {submit(i): i for i in range(min(2, n))}
+    queued = list(range(len(running), n))
+    while running:
+        done, _ = wait(running, return_when=FIRST_COMPLETED)
+        for fut in done:
+            i = running.pop(fut)
+            got = fut.result().columns["completion_mask"].sum(1).numpy()
+            assert (got == blocks[i]).all(), f"batcher lengths {got} != budgets {blocks[i]}"
+            if queued:  # a block ended: the actor's freed call takes the next one
+                j = queued.pop(0)
+                running[submit(j)] = j
     seconds = time.perf_counter() - t0
     batcher.close()
     return seconds

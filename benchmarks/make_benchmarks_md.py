@@ -196,7 +196,7 @@ BENCHES = [
     ),
     Bench(
         "batching_headroom",
-        "Batching headroom: decode cost by live rows, heavy-tailed blocks under four schedules",
+        "Batching headroom: decode cost by live rows, heavy-tailed blocks under several schedules",
         "batching_headroom.py",
         ["--real", "smollm2", "--batch", "8", "--new-tokens", "256", "--heavy-tail", "1.0"],
         ["--preset", "tiny", "--batch", "8", "--new-tokens", "64", "--blocks", "8", "--repeats", "1"],
