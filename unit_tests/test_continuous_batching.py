@@ -295,3 +295,60 @@ def test_config_and_plan_checks_name_the_fix() -> None:
         HFEngine.check_supported(None, PARAMS, continuous_batching=True, decode="hf")
     with pytest.raises(ValueError, match="lora_merge=false"):
         HFEngine.check_supported(None, PARAMS, continuous_batching=True, lora={"rank": 4}, lora_merge=False)
+
+
+def test_an_engine_death_under_two_blocks_exits_once_and_counts_once(tmp_path, monkeypatch) -> None:
+    """``engine_dies_mid_sequence`` in the batcher's check: both blocks' calls see the death; the
+    first reports it and exits the process (Ray restarts the actor, both blocks are retried under
+    their admissions), the other waits behind it and never reports it a second time."""
+    from asyncrl import stages
+    from asyncrl.faults import FaultConfig, Faults
+
+    class DyingStore(Store):
+        deaths = 0
+
+        def engine_died(self) -> int:
+            self.deaths += 1
+            return self.deaths
+
+    class NoNews:
+        have = 0
+
+        def poll(self):
+            return None
+
+    exited, release = threading.Event(), threading.Event()
+
+    def fake_exit(code: int) -> None:  # os._exit never returns: hold this thread, as the process would end
+        exited.set()
+        release.wait(60)
+        raise SystemExit(code)
+
+    monkeypatch.setattr(stages, "_exit_process", fake_exit)
+    monkeypatch.setattr(stages, "_DYING", threading.Lock())  # this test's own
+    store = DyingStore()
+    engine = HFEngine(_model(0), TOK)
+    g = _continuous_stage(engine, store)
+    g.batcher.close()
+    g.faults = Faults(FaultConfig(engine_dies_mid_sequence=12), str(tmp_path))
+    g.max_engine_restarts = 3
+    g._watch = NoNews()
+    g.batcher = ContinuousBatcher(engine, load=g._load, poll=g._batcher_poll)
+    params = dataclasses.replace(PARAMS, heavy_tail=0.0)  # both blocks still decoding at the 12th check
+    g.params = params
+
+    def call(block: dict) -> None:
+        with pytest.raises(SystemExit):  # the fake exit, once released
+            g(block)
+
+    threads = [threading.Thread(target=call, args=(_block(i, PROMPTS_A),), daemon=True) for i in range(2)]
+    for th in threads:
+        th.start()
+    assert exited.wait(60), "no thread exited the process"
+    for th in threads:
+        th.join(2)
+    # both blocks saw the death: one thread is in the exit, the other waits behind it, uncounted
+    assert all(th.is_alive() for th in threads) and store.deaths == 1 and g.inflight_polls == 12
+    release.set()  # end the test's threads
+    for th in threads:
+        th.join(10)
