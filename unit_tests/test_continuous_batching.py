@@ -352,3 +352,27 @@ def test_an_engine_death_under_two_blocks_exits_once_and_counts_once(tmp_path, m
     release.set()  # end the test's threads
     for th in threads:
         th.join(10)
+
+
+class PollingEngine(HFEngine):
+    """An engine that updates in flight but cannot step several rollouts together."""
+
+    supports_continuous_batching = False
+
+
+def test_the_plan_refuses_continuous_batching_for_an_engine_that_cannot_share_steps() -> None:
+    from pathlib import Path
+
+    from asyncrl.config import load_config
+    from asyncrl.configurable import ConfigError
+    from asyncrl.plan import check_components
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def config(*overrides: str):
+        on = ("pipeline.inflight_updates=true", "pipeline.continuous_batching=true")
+        return load_config(repo / "examples" / "configs" / "opd_tiny.yaml", [*on, *overrides])
+
+    check_components(config(), None)  # hf
+    with pytest.raises(ConfigError, match="cannot decode several blocks in shared steps"):
+        check_components(config("pipeline.engine=test_continuous_batching:PollingEngine"), None)
