@@ -18,6 +18,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncrl import records as R
 from asyncrl.engines.base import EngineDeadError, SamplingParams
@@ -376,3 +378,42 @@ def test_the_plan_refuses_continuous_batching_for_an_engine_that_cannot_share_st
     check_components(config(), None)  # hf
     with pytest.raises(ConfigError, match="cannot decode several blocks in shared steps"):
         check_components(config("pipeline.engine=test_continuous_batching:PollingEngine"), None)
+
+
+_HYP_MODEL = _model(3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(1, 4), st.integers(2, 10), st.integers(0, 4)), min_size=1, max_size=3
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_step_together_matches_own_steps_for_any_mix_of_rollouts(shapes, seed) -> None:
+    """Any number of decoders, each with its own batch, prompt width and position in its rollout:
+    the fused step's logits are each decoder's own step's, to float rounding."""
+    g = torch.Generator().manual_seed(seed)
+    alone, fused, toks, ts = [], [], [], []
+    with torch.inference_mode():
+        for rows, width, t in shapes:
+            ids = torch.randint(1, len(TOK), (rows, width), generator=g)
+            mask = torch.ones(rows, width, dtype=torch.bool)
+            mask[0, : width // 2] = False  # one left-padded row
+            history = torch.randint(1, len(TOK), (rows, t + 1), generator=g)
+            pair = []
+            for _ in range(2):
+                dec = LlamaDecoder(_HYP_MODEL)
+                dec.start(ids, mask, R.position_ids(mask), t + 2)
+                for j in range(t):  # walk to token t
+                    dec.step(history[:, j], j)
+                pair.append(dec)
+            alone.append(pair[0])
+            fused.append(pair[1])
+            toks.append(history[:, t])
+            ts.append(t)
+        for dec in fused[1:]:
+            dec.adopt_weights(fused[0])
+        got = step_together(fused, toks, ts)
+        for dec, tok, t, logits in zip(alone, toks, ts, got):
+            assert torch.allclose(dec.step(tok, t), logits, atol=1e-5)
