@@ -128,8 +128,8 @@ def test_continuous_batching_runs_two_blocks_at_once_within_the_token_bound(ray_
 
 
 @pytest.mark.slow  # the layout that stalled with two queued tasks per actor (docs/known_issues.md)
-@pytest.mark.parametrize("S", [0, 1])
-def test_continuous_batching_with_four_generators_does_not_stall(ray_local, tiny_pair, tmp_path, S):
+@pytest.mark.parametrize("S, blocks", [(0, 2), (1, 2), (2, 3)])
+def test_continuous_batching_with_four_generators_does_not_stall(ray_local, tiny_pair, tmp_path, S, blocks):
     steps = 8
     cfg = tiny_config(
         tmp_path / f"lag{S}",
@@ -138,6 +138,7 @@ def test_continuous_batching_with_four_generators_does_not_stall(ray_local, tiny
         f"pipeline.max_lag={S}",
         "pipeline.generators=4",
         "pipeline.continuous_batching=true",
+        f"pipeline.continuous_blocks={blocks}",
         "sampling.max_new_tokens=24",
     )
     result = run(cfg)

@@ -293,6 +293,8 @@ def test_config_and_plan_checks_name_the_fix() -> None:
     assert PipelineConfig(continuous_batching=True, inflight_updates=True).continuous_batching
     with pytest.raises(ConfigError, match="inflight_updates=true"):
         PipelineConfig(continuous_batching=True)
+    with pytest.raises(ConfigError, match="continuous_blocks"):
+        PipelineConfig(continuous_batching=True, inflight_updates=True, continuous_blocks=1)
     with pytest.raises(ValueError, match="decode='hf'"):
         HFEngine.check_supported(None, PARAMS, continuous_batching=True, decode="hf")
     with pytest.raises(ValueError, match="lora_merge=false"):

@@ -246,6 +246,12 @@ class PipelineConfig:
         "one's unfinished rows to them, so it requires inflight_updates=true; engine=hf on its fast "
         "decode path (Llama / Qwen3)",
     )
+    continuous_blocks: int = field(
+        2,
+        help="with continuous_batching: blocks a generator runs at once (Ray Data calls in threads of the "
+        "actor); more fill more of the decode batch when lengths are heavy-tailed, and need max_lag >= "
+        "continuous_blocks - 1 to be admitted together",
+    )
     provenance: Literal["strict", "warn", "off"] = field(
         "strict",
         help="check that every rollout was sampled with the weights the learner published at the version it "
@@ -296,6 +302,7 @@ class PipelineConfig:
                 f"thread with its own engine) ({fix})",
             )
         check(self.inflight_poll_steps >= 1, "inflight_poll_steps", self.inflight_poll_steps, "use >= 1")
+        check(self.continuous_blocks >= 2, "continuous_blocks", self.continuous_blocks, "use >= 2")
         check(
             not self.continuous_batching or self.inflight_updates,
             "continuous_batching",

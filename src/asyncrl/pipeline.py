@@ -287,22 +287,20 @@ def actor_memory(*model_dirs: str | None, dtype_bytes: int = 4, extra: int = 0) 
 
 def generator_pool(pc: Any) -> Any:
     """The generator stage's actor pool: one block per actor at a time, or, with
-    ``pipeline.continuous_batching``, two running at once in threads of the actor (Ray Data's
-    ``max_concurrent_calls_per_actor``) whose rows one ``ContinuousBatcher`` decodes together."""
+    ``pipeline.continuous_batching``, ``pipeline.continuous_blocks`` running at once in threads of
+    the actor (Ray Data's ``max_concurrent_calls_per_actor``, equal to the tasks in flight, so no
+    block queues behind one waiting for admission) whose rows one ``ContinuousBatcher`` decodes
+    together."""
     import ray
 
     if not pc.continuous_batching:
         return ray.data.ActorPoolStrategy(size=pc.generators, max_tasks_in_flight_per_actor=1)
     return ray.data.ActorPoolStrategy(
         size=pc.generators,
-        max_tasks_in_flight_per_actor=CONCURRENT_BLOCKS,
-        max_concurrent_calls_per_actor=CONCURRENT_BLOCKS,
+        max_tasks_in_flight_per_actor=pc.continuous_blocks,
+        max_concurrent_calls_per_actor=pc.continuous_blocks,
         enable_true_multi_threading=True,
     )
-
-
-#: blocks a generator runs at once with ``pipeline.continuous_batching`` (the one finishing, the next)
-CONCURRENT_BLOCKS = 2
 
 
 def _stage_memory(plan: RunPlan) -> tuple[int, int, int]:
