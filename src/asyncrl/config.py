@@ -240,8 +240,9 @@ class PipelineConfig:
     )
     continuous_batching: bool = field(
         False,
-        help="each generator runs two blocks at once and decodes their rows in shared steps (Ray Data's "
-        "max_concurrent_calls_per_actor; asyncrl.engines.continuous): while a block's long rows finish, the "
+        help="each generator runs continuous_blocks blocks at once and decodes their rows in shared steps "
+        "(Ray Data's max_concurrent_calls_per_actor; asyncrl.engines.continuous): while a block's long rows "
+        "finish, the "
         "next block's rows fill the decode batch. A block admitted with newer weights switches the older "
         "one's unfinished rows to them, so it requires inflight_updates=true; engine=hf on its fast "
         "decode path (Llama / Qwen3)",
