@@ -679,7 +679,10 @@ def async_grpo(sweep: Sweep | None, plots: Path) -> Section:
         "S:",
         "",
     ]
-    body += md_table(header, [[v, *[str(reward[(v, s)]) for s in lags]] for v in GRPO_VARIANTS])
+    body += md_table(
+        [*header, f"acting fraction at S={hi}"],
+        [[v, *[str(reward[(v, s)]) for s in lags], acting(cell[(v, hi)])] for v in GRPO_VARIANTS],
+    )
     body += [
         "",
         "Collapse events (cells whose 10-step rolling reward fell below half its start), mean ESS "
