@@ -3,9 +3,10 @@
 Why: with heavy-tailed completion lengths a block's decode batch empties long before its longest
 row ends (``engine_options.compact`` drops the finished rows, but the step still runs for the few
 that are left). At the sizes asyncrl's CPU engine serves, a decode step is mostly reading the
-weights (the real student: 20 ms with 1 live row, 35 ms with 8), so the next block's rows can
-share those steps almost for free. A generator actor that runs two blocks at once (Ray Data's
-``max_concurrent_calls_per_actor``, ``pipeline.continuous_batching``) hands both to one batcher:
+weights (a step with 8 live rows costs far less than 8 steps of one; BENCHMARKS.md, "Batching
+headroom"), so the next block's rows can share those steps almost for free. A generator actor
+that runs two blocks at once (Ray Data's ``max_concurrent_calls_per_actor``,
+``pipeline.continuous_batching``) hands both to one batcher:
 while block k's long tail decodes, block k+1's rows fill the batch beside it.
 
 What stays as it was: each block is still one admission, one Ray Data call and one output block
@@ -261,11 +262,10 @@ class ContinuousBatcher:
 
     def _start(self, req: _Request, active: list[tuple[Any, Future]]) -> Any | None:
         """Prefill ``req``'s prompts into a new rollout that shares the active rollouts' weights."""
-        try:
-            with torch.inference_mode():
-                ro = self.engine.start_rollout(
-                    req.prompt_ids, req.prompt_mask, req.params, seed=req.seed, track_versions=True
-                )
+        try:  # (in the thread's inference mode, ``_run``)
+            ro = self.engine.start_rollout(
+                req.prompt_ids, req.prompt_mask, req.params, seed=req.seed, track_versions=True
+            )
         except (ValueError, TypeError) as err:  # this request's input: fail it alone
             req.future.set_exception(err)
             return None

@@ -299,8 +299,8 @@ def step_together(
 ) -> list[torch.Tensor]:
     """One decode step of several decoders as one batch (continuous batching across rollouts):
     decoder ``j`` feeds its generated token ``ts[j]`` (``token_ids[j]`` [B_j]) as ``step`` would,
-    and gets its logits [B_j, V]. At these sizes a step is mostly reading the weights (the real
-    student: 20 ms with 1 row, 35 ms with 8), so rows of several rollouts share that read; each
+    and gets its logits [B_j, V]. At these sizes a step is mostly reading the weights (its cost
+    by live rows: BENCHMARKS.md, "Batching headroom"), so rows of several rollouts share that read; each
     rollout keeps its own K/V buffers, slots and positions, so only attention runs per decoder.
 
     Every decoder must hold the same weights (``adopt_weights`` of the first one); the first
