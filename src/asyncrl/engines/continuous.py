@@ -72,6 +72,14 @@ class _Request:
     future: Future
 
 
+@dataclass(eq=False)  # compared and hashed by identity: one entry per rollout in flight
+class _Active:
+    rollout: Any  # HFEngine._Rollout
+    future: Future
+    steps: int = 0  # decode steps taken
+    shared: int = 0  # of them, steps another rollout shared
+
+
 _STOP = object()
 
 
@@ -114,7 +122,6 @@ class ContinuousBatcher:
         self.poll_every = poll_every
         self._queue: queue.Queue[Any] = queue.Queue()
         self._error: BaseException | None = None
-        self._counts: dict[int, list[int]] = {}  # per active rollout: [steps, steps shared]
         self._lock = threading.Lock()
         #: telemetry: fused steps taken, live rows summed over them, most rollouts in one step
         self.steps = 0
@@ -165,14 +172,14 @@ class ContinuousBatcher:
 
     # --- the batcher's thread ----------------------------------------------------------------
     def _run(self) -> None:
-        active: list[tuple[Any, Future]] = []
+        active: list[_Active] = []
         try:
             with torch.inference_mode():
                 self._loop(active)
         except BaseException as err:  # the engine's state is unknown: fail everything, now and later
             with self._lock:
                 self._error = err
-                leftover = [fut for _, fut in active]
+                leftover = [a.future for a in active]
                 while True:
                     try:
                         item = self._queue.get_nowait()
@@ -184,7 +191,7 @@ class ContinuousBatcher:
                 if not fut.done():
                     fut.set_exception(err)
 
-    def _loop(self, active: list[tuple[Any, Future]]) -> None:
+    def _loop(self, active: list[_Active]) -> None:
         """Rounds of: weights (between the last draw and the next step), one fused step, the new
         rollouts' prefills, one draw for every rollout. ``active`` is updated in place, so that a
         failure can fail its futures."""
@@ -209,41 +216,38 @@ class ContinuousBatcher:
                     new.append(item)
             rounds += 1
             fresh = self._update_weights(active, new, poll=bool(active) and rounds % self.poll_every == 0)
-            stepping = [ro for ro, _ in active if id(ro) not in fresh]
+            stepping = [a for a in active if a not in fresh]
             if stepping:
+                rollouts = [a.rollout for a in stepping]
                 decs, toks, ts = (
-                    [ro.dec for ro in stepping],
-                    [ro.tokens for ro in stepping],
-                    [ro.t for ro in stepping],
+                    [ro.dec for ro in rollouts],
+                    [ro.tokens for ro in rollouts],
+                    [ro.t for ro in rollouts],
                 )
                 shared = len(stepping) > 1
-                for ro, logits in zip(stepping, step_together(decs, toks, ts)):
-                    ro.logits = logits
-                    self._counts[id(ro)][0] += 1
-                    self._counts[id(ro)][1] += shared
+                for a, logits in zip(stepping, step_together(decs, toks, ts)):
+                    a.rollout.logits = logits
+                    a.steps += 1
+                    a.shared += shared
                 self.steps += 1
                 self.rows_stepped += sum(int(tok.shape[0]) for tok in toks)
                 self.most_rollouts = max(self.most_rollouts, len(stepping))
             for req in new:
                 started = self._start(req, active)
                 if started is not None:
-                    active.append((started, req.future))
-                    self._counts[id(started)] = [0, 0]
+                    active.append(_Active(started, req.future))
             still = []
-            for ro, fut in active:
-                if ro.draw():
-                    steps, shared = self._counts.pop(id(ro))
-                    fut.set_result(BatchedRollout(ro.result(), steps, shared))
+            for a in active:
+                if a.rollout.draw():
+                    a.future.set_result(BatchedRollout(a.rollout.result(), a.steps, a.shared))
                 else:
-                    still.append((ro, fut))
+                    still.append(a)
             active[:] = still
 
-    def _update_weights(
-        self, active: list[tuple[Any, Future]], new: list[_Request], *, poll: bool
-    ) -> set[int]:
+    def _update_weights(self, active: list[_Active], new: list[_Request], *, poll: bool) -> set[_Active]:
         """Load the newest of the new requests' admission weights and (``poll``) the published
-        ones, if newer than the engine's; switch the active rollouts to them. Returns the ids of
-        the rollouts whose logits the switch recomputed (they take no step this round)."""
+        ones, if newer than the engine's; switch the active rollouts to them. Returns the rollouts
+        whose logits the switch recomputed (they take no step this round)."""
         offers = [r.weights for r in new if r.weights is not None]
         if poll and self._poll is not None:
             got = self._poll()
@@ -257,10 +261,10 @@ class ContinuousBatcher:
                 self._load(version, state)
         if engine.version == before or not active:
             return set()
-        engine.refresh_decoders([ro.dec for ro, _ in active])
-        return {id(ro) for ro, _ in active if ro.switched(engine.version, engine.inflight_kv)}
+        engine.refresh_decoders([a.rollout.dec for a in active])
+        return {a for a in active if a.rollout.switched(engine.version, engine.inflight_kv)}
 
-    def _start(self, req: _Request, active: list[tuple[Any, Future]]) -> Any | None:
+    def _start(self, req: _Request, active: list[_Active]) -> Any | None:
         """Prefill ``req``'s prompts into a new rollout that shares the active rollouts' weights."""
         try:  # (in the thread's inference mode, ``_run``)
             ro = self.engine.start_rollout(
@@ -270,7 +274,7 @@ class ContinuousBatcher:
             req.future.set_exception(err)
             return None
         if active:
-            ro.dec.adopt_weights(active[0][0].dec)
+            ro.dec.adopt_weights(active[0].rollout.dec)
         return ro
 
 
