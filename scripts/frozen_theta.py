@@ -20,7 +20,6 @@ Writes one CSV row per (run, checkpoint, family, size): ``seed``, ``step``, ``fa
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.caches import CACHES
 from asyncrl.estimators import build as build_estimator
-from asyncrl.lab.evidence import format_value
+from asyncrl.lab.evidence import write_csv
 from asyncrl.telemetry.gradients import frozen_theta, mc_redraw
 
 COLUMNS = ("seed", "step", "family", "size", "bytes_per_token", "bias_sq", "var", "ref_sq", "redraws", "cos")
@@ -143,12 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rows = [r for run in sorted(args.runs) for r in measure(Path(run), args)]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8", newline="") as fh:
-        w = csv.writer(fh, lineterminator="\n")
-        w.writerow(COLUMNS)
-        for r in rows:
-            w.writerow([format_value(r.get(k)) for k in COLUMNS])
+    write_csv(out, COLUMNS, rows)
     print(f"{len(rows)} rows -> {out}")
     return 0
 

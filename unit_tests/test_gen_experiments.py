@@ -181,9 +181,9 @@ def test_document_takes_model_accuracies_from_the_runs(gen: Any, tmp_path: Path)
     assert gen.main(["--sweeps-root", str(tmp_path), "--out", str(out), "--plots", str(tmp_path / "p")]) == 0
     text = out.read_text()
     assert "student exact match 0.250, teacher 0.950" in text
-    assert text.count("**Verdict: not run yet.** no evidence in experiments/data (no finished cells)") == len(
-        gen.EXPERIMENTS
-    )  # every sweep but this one's, and the frozen-θ experiment
+    assert text.count("**Verdict: not run yet.** no evidence in experiments/data (no finished cells)") == (
+        len(gen.EXPERIMENTS) + 1
+    )  # every sweep but this one's, the frozen-θ experiment and the probe's zero-lag check
 
 
 GRPO_VARIANTS = ("none", "truncated_is", "ess_lr", "gradient_alignment", "staleness_lr_law")
@@ -580,6 +580,46 @@ def test_unbiased_is_three_way(gen: Any) -> None:
     assert gen.unbiased_within(Interval(3 * tol, 2 * tol, 4 * tol, 5, 0.95), tol) is False
     assert gen.unbiased_within(Interval(0.0, -0.07, 0.05, 5, 0.95), tol) is None
     assert gen.unbiased_within(Interval(0.0, -math.inf, math.inf, 1, 0.95), tol) is None
+
+
+def write_probe_null(data: Path, offset: float, spread: float, batches: int = 200) -> None:
+    """probe_null.csv as scripts/probe_null.py writes it: two θ, B / |g|² = offset ± spread per batch."""
+    rows = ["theta,batch,rows,tokens,groups,bias_sq,ref_sq,noise_sq"]
+    for theta in ("start", "100"):
+        for b in range(batches):
+            ref = 2.0 + math.cos(b)  # |g|² varies from batch to batch
+            noise = spread * math.sqrt(3.0) * math.sin(1.7 * b + len(theta))  # mean ~0, SD ~ spread
+            rows.append(f"{theta},{b},32,120,4,{(offset + noise) * ref},{ref},{0.2 * ref}")
+    (data / "probe_null").mkdir(parents=True)
+    (data / "probe_null" / "probe_null.csv").write_text("\n".join(rows) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("offset", "spread", "verdict", "part"),
+    [
+        (0.0, 0.01, "reproduced", "holds"),  # reads 0, tightly
+        (-0.02, 0.01, "not reproduced", "fails"),  # the offset experiment 6 saw, if it were real
+        (0.0, 0.2, "inconclusive at this scale", "inconclusive"),  # too few batches for the tolerance
+    ],
+)
+def test_probe_null_rule(
+    gen: Any, tmp_path: Path, offset: float, spread: float, verdict: str, part: str
+) -> None:
+    write_probe_null(tmp_path, offset, spread)
+    section = gen.probe_null(gen.load_probe_null(tmp_path), tmp_path / "p")
+    assert section.verdict == verdict
+    assert section.why.count(f"within ±{gen.NULL_TOL} and containing 0: {part}") == 2  # one part per θ
+    assert "the starting student" in section.why and "step 100" in section.why
+    assert "50 probes" in "\n".join(section.body)
+
+
+def test_reads_zero_is_three_way(gen: Any) -> None:
+    from asyncrl.lab.stats import Interval
+
+    assert gen.reads_zero(Interval(0.0, -0.004, 0.004, 200, 0.95)) is True
+    assert gen.reads_zero(Interval(-0.02, -0.03, -0.01, 200, 0.95)) is False
+    assert gen.reads_zero(Interval(0.01, 0.001, 0.02, 200, 0.95)) is False
+    assert gen.reads_zero(Interval(0.0, -0.02, 0.02, 200, 0.95)) is None
 
 
 def test_committed_document_is_its_committed_evidence_regenerated(gen: Any) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "export_sweep",
     "format_value",
     "load_evidence",
+    "write_csv",
 ]
 
 RUNS_FILE, STEPS_FILE, META_FILE = "runs.csv", "steps.csv", "sweep.json"
@@ -110,7 +111,11 @@ def _parse(text: str) -> Any:
         return text
 
 
-def _write_csv(path: Path, header: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> None:
+def write_csv(path: str | Path, header: Sequence[str], rows: Sequence[Mapping[str, Any]]) -> None:
+    """``rows`` as CSV with ``header``'s columns (``format_value``: exact floats, "" for missing);
+    the parent folder is created. How every committed evidence table is written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8", newline="") as fh:
         w = csv.writer(fh, lineterminator="\n")
         w.writerow(header)
@@ -158,8 +163,8 @@ def export_sweep(
                 )
     out_dir.mkdir(parents=True, exist_ok=True)
     header = ["cell", *settings, "seed", "outcome", *EXPORTED_SUMMARY, "last_eval_accuracy"]
-    _write_csv(out_dir / RUNS_FILE, header, runs)
-    _write_csv(out_dir / STEPS_FILE, ["cell", N.STEP, N.TIME_S, *names], steps)
+    write_csv(out_dir / RUNS_FILE, header, runs)
+    write_csv(out_dir / STEPS_FILE, ["cell", N.STEP, N.TIME_S, *names], steps)
     meta = {
         "name": doc.get("name", sweep_dir.name),
         "sweep_file": _relative(doc.get("sweep_file", "")),
