@@ -1488,16 +1488,21 @@ FROZEN = "cache_finiteness_frozen"
 FROZEN_FILE = "frozen.csv"  # scripts/frozen_theta.py
 
 
-def load_frozen(data: Path) -> list[dict[str, Any]] | None:
-    """The rows of ``data/cache_finiteness_frozen/frozen.csv`` (None if not measured yet)."""
-    path = data / FROZEN / FROZEN_FILE
+def read_table(path: Path, text: str) -> list[dict[str, Any]] | None:
+    """A measurement script's CSV: column ``text`` as written, every other one a float ("" is NaN);
+    None if the file does not exist (not measured yet)."""
     if not path.exists():
         return None
     with path.open(encoding="utf-8", newline="") as fh:
         return [
-            {k: (v if k == "family" else float(v) if v else math.nan) for k, v in row.items()}
+            {k: (v if k == text else float(v) if v else math.nan) for k, v in row.items()}
             for row in csv.DictReader(fh)
         ]
+
+
+def load_frozen(data: Path) -> list[dict[str, Any]] | None:
+    """The rows of ``data/cache_finiteness_frozen/frozen.csv`` (None if not measured yet)."""
+    return read_table(data / FROZEN / FROZEN_FILE, "family")
 
 
 def frozen_ratio(rows: Sequence[dict[str, Any]], key: str, *, one_sided: bool = False) -> Interval:
@@ -1618,11 +1623,7 @@ NULL_TOL = 0.005
 
 def load_probe_null(data: Path) -> list[dict[str, Any]] | None:
     """The rows of ``data/probe_null/probe_null.csv`` (None if not measured yet)."""
-    path = data / PROBE_NULL / PROBE_NULL_FILE
-    if not path.exists():
-        return None
-    with path.open(encoding="utf-8", newline="") as fh:
-        return [{k: (v if k == "theta" else float(v)) for k, v in row.items()} for row in csv.DictReader(fh)]
+    return read_table(data / PROBE_NULL / PROBE_NULL_FILE, "theta")
 
 
 def batch_ratio(rows: Sequence[dict[str, Any]], key: str) -> Interval:

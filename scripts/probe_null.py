@@ -12,17 +12,26 @@ probe needs and the estimator's cache), and probed by ``GradientProbe`` exactly 
 probes a batch. The batches are i.i.d., so the ratio of sums ``Σ B / Σ ‖g‖²`` gets an interval
 from the batches themselves (a bootstrap over batches), as narrow as their number makes it.
 
+    # θ: the starting student, and a checkpoint trained by experiment 6's recipe at S = 0, η 2e-4
+    asyncrl run examples/configs/opd_async.yaml run_dir=runs/probe_null_theta pipeline.max_lag=0 \\
+        pipeline.lag_mode=fixed train.lr=2e-4 train.steps=100 train.warmup_steps=10 \\
+        train.checkpoint_every=100 estimator.name=reverse_kl_mc sampling.mc_samples=8 \\
+        'estimator.options={advantage: stale, loo_baseline: true}' telemetry.tensorboard=false
     python scripts/probe_null.py --config examples/configs/opd_async.yaml \\
         --set estimator.name=reverse_kl_mc 'estimator.options={advantage: stale, loo_baseline: true}' \\
-        sampling.mc_samples=8 --batches 200 --out experiments/data/probe_null/probe_null.csv
+        sampling.mc_samples=8 --batches 1000 --run runs/probe_null_theta --seed 0 \\
+        --out experiments/data/probe_null/probe_null.csv
+    # ... and the same with --seed 1 --append: 1000 more independent batches per θ
 
 One CSV row per (θ, batch): ``theta`` (``start`` for the starting student, else a checkpoint's
-step), ``batch``, ``rows``, ``tokens``, ``groups``, ``bias_sq``, ``ref_sq``, ``noise_sq``.
+step), ``seed`` (of the batches' prompts and draws: runs with different seeds add independent batches),
+``batch``, ``rows``, ``tokens``, ``groups``, ``bias_sq``, ``ref_sq``, ``noise_sq``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,11 +42,11 @@ import torch
 from asyncrl import records as R
 from asyncrl.lab.evidence import write_csv
 
-COLUMNS = ("theta", "batch", "rows", "tokens", "groups", "bias_sq", "ref_sq", "noise_sq")
+COLUMNS = ("theta", "seed", "batch", "rows", "tokens", "groups", "bias_sq", "ref_sq", "noise_sq")
 
 
-def prompts(cfg: Any, plan: Any, rows: int, batches: int) -> tuple[np.ndarray, np.ndarray, Any]:
-    """``rows * batches`` training prompts in the pipeline's order (distinct batches, no prompt reused)."""
+def prompts(cfg: Any, plan: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The task's training prompts, left-padded as the pipeline pads them."""
     from transformers import AutoTokenizer
 
     from asyncrl.plan import load_examples, prompt_blocks
@@ -47,13 +56,11 @@ def prompts(cfg: Any, plan: Any, rows: int, batches: int) -> tuple[np.ndarray, n
     P = max(len(tok(e.prompt)["input_ids"]) for e in train_ex[:2048])
     blocks = prompt_blocks(cfg, train_ex, tok, P)
     ids = np.concatenate([b[R.PROMPT_IDS] for b in blocks])
-    mask = np.concatenate([b[R.PROMPT_MASK] for b in blocks])
-    if len(ids) < rows * batches:
+    if len(ids) < rows:
         raise ValueError(
-            f"--batches {batches} x --rows {rows} needs {rows * batches} prompts; the task has {len(ids)}: "
-            f"lower --batches or --rows"
+            f"--rows {rows} needs at least {rows} prompts; the task has {len(ids)}: lower --rows"
         )
-    return ids, mask, tok
+    return ids, np.concatenate([b[R.PROMPT_MASK] for b in blocks])
 
 
 def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -67,7 +74,8 @@ def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> l
     from asyncrl.telemetry.gradients import GradientProbe
 
     plan = make_plan(cfg)
-    ids, mask, _ = prompts(cfg, plan, args.rows, args.batches)
+    ids, mask = prompts(cfg, plan, args.rows)
+    rng = np.random.default_rng(args.seed)  # each batch: rows distinct prompts, drawn afresh (i.i.d. batches)
     teacher = AutoModelForCausalLM.from_pretrained(plan.models.teacher_dir).eval()
     student = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     engine = HFEngine.from_pretrained(plan.models.student_dir)
@@ -77,8 +85,8 @@ def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> l
     tau, params = cfg.sampling.temperature, cfg.sampling
     out = []
     for b in range(args.batches):
-        sl = slice(b * args.rows, (b + 1) * args.rows)
-        p_ids, p_mask = torch.from_numpy(ids[sl]), torch.from_numpy(mask[sl]).bool()
+        pick = rng.choice(len(ids), size=args.rows, replace=False)
+        p_ids, p_mask = torch.from_numpy(ids[pick]), torch.from_numpy(mask[pick]).bool()
         roll = engine.generate(p_ids, p_mask, params, seed=args.seed * 1_000_003 + b)
         batch = {R.PROMPT_IDS: p_ids, R.PROMPT_MASK: p_mask}
         batch.update(pad_rollout(roll, params.max_new_tokens, engine.pad_id))
@@ -91,6 +99,7 @@ def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> l
         m = probe(batch)
         row = {
             "theta": theta,
+            "seed": args.seed,
             "batch": b,
             "rows": args.rows,
             "tokens": int(batch[R.COMPLETION_MASK].sum()),
@@ -113,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="the run config whose estimator and sampling are probed")
     ap.add_argument("--set", nargs="*", default=[], help="overrides, key=value (as asyncrl run)")
-    ap.add_argument("--checkpoints", nargs="*", default=[], help="STEP=MODEL_DIR thetas besides the start")
-    ap.add_argument("--batches", type=int, default=200, help="independent batches per θ")
+    ap.add_argument(
+        "--run", help="a run directory: each of its complete checkpoints is a θ besides the start"
+    )
+    ap.add_argument("--batches", type=int, default=1000, help="independent batches per θ")
     ap.add_argument("--rows", type=int, default=32, help="rows per batch (the run's train.batch_size)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True, help="CSV to write")
+    ap.add_argument("--append", action="store_true", help="keep --out's rows (another --seed adds batches)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -126,13 +138,27 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.plan import make_plan
 
     thetas = [("start", make_plan(cfg).models.student_dir)]
-    for spec in args.checkpoints:
-        step, _, path = spec.partition("=")
-        if not path:
-            raise ValueError(f"--checkpoints takes STEP=MODEL_DIR; got {spec!r}")
-        thetas.append((step, path))
+    if args.run:
+        from asyncrl.checkpoint import MODEL_DIR, scan
+
+        found = [(str(step), str(path / MODEL_DIR)) for step, path, bad in scan(args.run) if not bad]
+        if not found:
+            raise ValueError(
+                f"--run {args.run}: no complete checkpoint under its checkpoints/ (train.checkpoint_every)"
+            )
+        thetas += found
     rows = [r for theta, path in thetas for r in measure(cfg, theta, path, args)]
     out = Path(args.out)
+    if args.append and out.exists():
+        with out.open(encoding="utf-8", newline="") as fh:
+            kept = list(csv.DictReader(fh))
+        if kept and tuple(kept[0]) != COLUMNS:
+            raise ValueError(
+                f"--append: {out} has columns {tuple(kept[0])}, not {COLUMNS}; write a new --out"
+            )
+        if any(int(r["seed"]) == args.seed for r in kept):
+            raise ValueError(f"--append: {out} already has --seed {args.seed}'s batches; pick another seed")
+        rows = kept + rows
     write_csv(out, COLUMNS, rows)
     print(f"{len(rows)} rows -> {out}")
     return 0

@@ -584,12 +584,12 @@ def test_unbiased_is_three_way(gen: Any) -> None:
 
 def write_probe_null(data: Path, offset: float, spread: float, batches: int = 200) -> None:
     """probe_null.csv as scripts/probe_null.py writes it: two θ, B / |g|² = offset ± spread per batch."""
-    rows = ["theta,batch,rows,tokens,groups,bias_sq,ref_sq,noise_sq"]
+    rows = ["theta,seed,batch,rows,tokens,groups,bias_sq,ref_sq,noise_sq"]
     for theta in ("start", "100"):
         for b in range(batches):
             ref = 2.0 + math.cos(b)  # |g|² varies from batch to batch
             noise = spread * math.sqrt(3.0) * math.sin(1.7 * b + len(theta))  # mean ~0, SD ~ spread
-            rows.append(f"{theta},{b},32,120,4,{(offset + noise) * ref},{ref},{0.2 * ref}")
+            rows.append(f"{theta},0,{b},32,120,4,{(offset + noise) * ref},{ref},{0.2 * ref}")
     (data / "probe_null").mkdir(parents=True)
     (data / "probe_null" / "probe_null.csv").write_text("\n".join(rows) + "\n")
 
