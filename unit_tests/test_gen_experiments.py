@@ -181,9 +181,10 @@ def test_document_takes_model_accuracies_from_the_runs(gen: Any, tmp_path: Path)
     assert gen.main(["--sweeps-root", str(tmp_path), "--out", str(out), "--plots", str(tmp_path / "p")]) == 0
     text = out.read_text()
     assert "student exact match 0.250, teacher 0.950" in text
-    assert text.count("**Verdict: not run yet.** no evidence in experiments/data (no finished cells)") == (
-        len(gen.EXPERIMENTS) + 1
-    )  # every sweep but this one's, the frozen-θ experiment and the probe's zero-lag check
+    assert text.count("**Verdict: not run yet.** no evidence in experiments/data (no finished cells)") == len(
+        gen.EXPERIMENTS
+    )  # every sweep but this one's and the superseded one's, the frozen-θ experiment, the zero-lag check
+    assert text.count("**Verdict: superseded.** Replaced by experiments 6 and 7") == 1
 
 
 GRPO_VARIANTS = ("none", "truncated_is", "ess_lr", "gradient_alignment", "staleness_lr_law")
