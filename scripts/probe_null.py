@@ -66,12 +66,12 @@ def prompts(cfg: Any, plan: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:
 def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.caches import score_teacher
+    from asyncrl.caches import CACHES, score_teacher
     from asyncrl.engines.hf import HFEngine
     from asyncrl.estimators import build as build_estimator
     from asyncrl.plan import make_plan
     from asyncrl.stages import pad_rollout
-    from asyncrl.telemetry.gradients import GradientProbe
+    from asyncrl.telemetry.gradients import GradientProbe, WithDenseLogits
 
     plan = make_plan(cfg)
     ids, mask = prompts(cfg, plan, args.rows)
@@ -82,7 +82,10 @@ def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> l
     engine.load_weights(student.state_dict(), 0)
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     probe = GradientProbe(student, estimator, temperature=cfg.sampling.temperature)
-    tau, params = cfg.sampling.temperature, cfg.sampling
+    if plan.cache_kind is None:
+        raise ValueError(f"estimator {cfg.estimator.name!r} reads no teacher cache: the probe is for OPD")
+    cache = WithDenseLogits(CACHES.get(plan.cache_kind)(**plan.cache_options))  # a probed block's cache
+    params = cfg.sampling
     out = []
     for b in range(args.batches):
         pick = rng.choice(len(ids), size=args.rows, replace=False)
@@ -91,11 +94,7 @@ def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> l
         batch = {R.PROMPT_IDS: p_ids, R.PROMPT_MASK: p_mask}
         batch.update(pad_rollout(roll, params.max_new_tokens, engine.pad_id))
         batch = R.trim_to_longest(batch)
-        if plan.cache_kind is not None:
-            batch |= score_teacher(teacher, batch, plan.cache_kind, seed=b)
-        with torch.no_grad():
-            cols = [batch[c] for c in (R.PROMPT_IDS, R.PROMPT_MASK, R.COMPLETION_IDS, R.COMPLETION_MASK)]
-            batch[R.TEACHER_LOGITS] = R.completion_logits(teacher, *cols) / tau
+        batch |= score_teacher(teacher, batch, cache, seed=b)  # the cache's columns and z/τ, as scored
         m = probe(batch)
         row = {
             "theta": theta,

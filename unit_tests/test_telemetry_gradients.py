@@ -47,16 +47,20 @@ def _lm(seed: int, hidden: int = 16, scale: float = 1.0):
     return model
 
 
-def _batch(student, teacher, cache: str, *, seed: int, n: int = 16, m: int = 4, k: int = 4) -> dict:
-    """Rollouts of ``student`` (with m behavior draws) scored by ``teacher`` into ``cache`` + dense."""
+def _batch(
+    student, teacher, cache: str, *, seed: int, n: int = 16, m: int = 4, k: int = 4, tau: float = 1.0
+) -> dict:
+    """Rollouts of ``student`` at temperature ``tau`` (with m behavior draws) scored by ``teacher`` into
+    ``cache`` + dense, as the scoring stage scores a probed block (the cache's τ is the rollout's)."""
     g = torch.Generator().manual_seed(seed)
     prompt_ids = torch.randint(2, V, (n, 3), generator=g)
     prompt_mask = torch.ones(n, 3, dtype=torch.bool)
     engine = HFEngine(student, {"eos_id": EOS, "pad_id": PAD})
-    out = engine.generate(prompt_ids, prompt_mask, SamplingParams(max_new_tokens=4, mc_samples=m), seed=seed)
+    params = SamplingParams(max_new_tokens=4, mc_samples=m, temperature=tau)
+    out = engine.generate(prompt_ids, prompt_mask, params, seed=seed)
     batch = {R.PROMPT_IDS: prompt_ids, R.PROMPT_MASK: prompt_mask, **out}
     batch[R.MC_BEHAVIOR_LOGPROBS] = batch[R.MC_BEHAVIOR_LOGPROBS].double()
-    kind = CACHES.get(cache)(**({"k": k} if cache == "topk" else {}))
+    kind = CACHES.get(cache)(**({"k": k} if cache == "topk" else {}), temperature=tau)
     batch |= score_teacher(teacher, batch, G.WithDenseLogits(kind))
     return batch
 
@@ -68,6 +72,9 @@ def pair():
 
 def _probe(student, name: str, options: dict | None = None) -> G.GradientProbe:
     return G.GradientProbe(student, build(name, options or {}))
+
+
+_COLS = (R.PROMPT_IDS, R.PROMPT_MASK, R.COMPLETION_IDS, R.COMPLETION_MASK)
 
 
 # --- against the dense reference ---------------------------------------------------------------------
@@ -103,6 +110,23 @@ def test_forward_topk_is_exact_at_k_equal_v_and_biased_below(pair) -> None:
     small = _probe(student, "forward_kl")(_batch(student, teacher, "topk", seed=1, k=2))
     assert small[N.GRADREF_COS] < 0.999
     assert small[N.GRADREF_REL_ERR] > 1e-3
+
+
+@pytest.mark.parametrize("tau", [0.5, 2.0])
+def test_the_reference_is_the_tempered_teacher_the_estimator_sees(pair, tau) -> None:
+    """At τ ≠ 1 the caches keep softmax(z/τ) of the teacher and the learner computes the student at τ,
+    so the dense reference must be KL at τ too: a top-k cache holding the whole vocabulary is then exact,
+    and the online MC estimator unbiased on policy."""
+    student, teacher = pair
+    batch = _batch(student, teacher, "topk", seed=7, k=V, tau=tau)
+    full = G.GradientProbe(student, build("forward_kl"), temperature=tau)(batch)
+    assert full[N.GRADREF_COS] == pytest.approx(1.0, abs=1e-9)
+    assert full[N.GRADREF_REL_ERR] == pytest.approx(0.0, abs=1e-6)
+    online = G.GradientProbe(student, build("reverse_kl_mc", {"advantage": "online"}), temperature=tau)
+    on_policy = online(_batch(student, teacher, "behavior_mc", seed=7, m=4, tau=tau))
+    assert on_policy[N.GRADREF_COS] > 0.5  # noisy, but an estimate of the same gradient
+    raw = R.completion_logits(teacher, *[batch[c] for c in _COLS]).float().detach()
+    torch.testing.assert_close(batch[R.TEACHER_LOGITS], raw / tau)  # z/τ, as every cache's scores are
 
 
 def test_mc_noise_falls_with_m_and_the_online_estimator_is_unbiased(pair) -> None:

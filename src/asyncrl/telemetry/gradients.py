@@ -150,7 +150,12 @@ def dense_reference_due(block_index: int, *, every: int, workers: int, minibatch
 @dataclass(frozen=True)
 class WithDenseLogits:
     """A teacher cache that also writes ``teacher_logits`` from the same teacher forward: what the
-    scoring stage uses for the blocks the probe runs on (``dense_reference_due``)."""
+    scoring stage uses for the blocks the probe runs on (``dense_reference_due``).
+
+    The column holds ``z / τ`` with the wrapped cache's temperature τ (the rollout's): every cache
+    keeps scores of ``softmax(z/τ)`` and the learner computes the student at τ, so the exact KL the
+    probe compares against must be the one at τ too (raw ``z`` would make it a different objective
+    and read as bias whenever τ ≠ 1)."""
 
     cache: Any
 
@@ -166,7 +171,9 @@ class WithDenseLogits:
 
     def build(self, teacher_logits: torch.Tensor, batch: Mapping[str, torch.Tensor], **draw: Any) -> dict:
         out = self.cache.build(teacher_logits, batch, **draw)
-        out[R.TEACHER_LOGITS] = teacher_logits.float().contiguous()
+        tau = float(getattr(self.cache, "temperature", 1.0))
+        dense = teacher_logits.float()
+        out[R.TEACHER_LOGITS] = (dense if tau == 1.0 else dense / tau).contiguous()
         return out
 
 
