@@ -404,7 +404,8 @@ _PANELS = (
     _Panel(
         "Gradient against the exact dense KL",
         "telemetry.grad_reference=dense: cosine of the estimator's gradient to the exact KL gradient on "
-        "the same batch, and its squared bias and noise variance relative to |g|^2 (split halves).",
+        "the same batch, and its squared bias and noise variance relative to |g|^2 (row-group "
+        "cross-product; one probe's bias can read below 0, sum several to read it).",
         f"{names.GRADREF_COS}, {names.GRADREF_BIAS_SQ_REL}, {names.GRADREF_NOISE_REL}",
         lambda runs: _line_panel(
             runs,
