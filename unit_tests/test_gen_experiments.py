@@ -188,17 +188,20 @@ def test_document_takes_model_accuracies_from_the_runs(gen: Any, tmp_path: Path)
 
 
 GRPO_VARIANTS = ("none", "truncated_is", "ess_lr", "gradient_alignment", "staleness_lr_law")
+GRPO_GAC = ("gac_t0.1", "gac_t0.3", "gac_t0.5")
 
 
-def test_async_grpo_collapse_preceded_by_ess_drop_and_controllers_stabilise(gen: Any, tmp_path: Path) -> None:
-    cells = [{"variant": v, "pipeline.max_lag": s} for v in GRPO_VARIANTS for s in (0, 8)]
+def grpo_sweep(root: Path, collapsing: tuple[str, ...], variants: tuple[str, ...]) -> None:
+    """async_grpo cells at S 0 and 8: the ``collapsing`` variants collapse at S = 8 (ESS first);
+    gac_t0.3 has the highest reward at S = 0 (the τ the rule tunes to)."""
+    cells = [{"variant": v, "pipeline.max_lag": s} for v in variants for s in (0, 8)]
 
     def metrics(settings: dict[str, Any], seed: int) -> list[dict[str, Any]]:
         v, s = settings["variant"], settings["pipeline.max_lag"]
-        collapses = s == 8 and v in ("none", "truncated_is")
+        collapses = s == 8 and v in collapsing
         rows = []
         for step in range(1, 61):
-            reward = 0.3 + 0.001 * step + jitter(seed)
+            reward = 0.3 + 0.001 * step + jitter(seed) + (0.02 if v == "gac_t0.3" else 0.0)
             ess = 0.9
             if collapses and step >= 30:
                 ess = 0.3  # the ESS falls first ...
@@ -208,11 +211,30 @@ def test_async_grpo_collapse_preceded_by_ess_drop_and_controllers_stabilise(gen:
             rows.append({"step": step, "est/reward_mean": reward, "ess/rho_seq": ess, "grad/cos_prev": cos})
         return rows
 
-    write_sweep(tmp_path, "async_grpo", cells, lambda st, seed: 0.4, metrics, algo="grpo")
+    write_sweep(root, "async_grpo", cells, lambda st, seed: 0.4, metrics, algo="grpo")
+
+
+def test_async_grpo_collapse_preceded_by_ess_drop_and_controllers_stabilise(gen: Any, tmp_path: Path) -> None:
+    grpo_sweep(tmp_path, ("none", "truncated_is", "gac_t0.1", "gac_t0.5"), GRPO_VARIANTS + GRPO_GAC)
     section = gen.async_grpo(gen.load_sweep(tmp_path, "async_grpo"), tmp_path / "plots")
     assert section.verdict == gen.REPRODUCED, section.why
     assert "ESS drops precede collapses: holds" in section.why
     assert "ess_lr at S=8 above none at S=8, no collapse: holds" in section.why
+    # the τ with the best reward at S=0 is read at S=8 (the other two collapse there)
+    tuned = "gradient_alignment on the update (τ 0.3, tuned at S=0) at S=8 above none at S=8, no collapse"
+    assert f"{tuned}: holds" in section.why
+    assert "gac_t0.3" in "\n".join(section.body)  # its row, with its acting fraction
+
+
+def test_async_grpo_tuned_gac_fails_or_is_missing(gen: Any, tmp_path: Path) -> None:
+    grpo_sweep(tmp_path / "a", ("none", "gac_t0.3"), GRPO_VARIANTS + GRPO_GAC)
+    section = gen.async_grpo(gen.load_sweep(tmp_path / "a", "async_grpo"), tmp_path / "plots")
+    assert "(τ 0.3, tuned at S=0) at S=8 above none at S=8, no collapse: fails" in section.why
+    assert section.verdict == gen.NOT_REPRODUCED
+    grpo_sweep(tmp_path / "b", ("none",), GRPO_VARIANTS)  # the round-1 sweep: no τ arm
+    section = gen.async_grpo(gen.load_sweep(tmp_path / "b", "async_grpo"), tmp_path / "plots")
+    assert "τ tuned at S=0: not run at S=0 and S=8: inconclusive" in section.why
+    assert section.verdict == gen.INCONCLUSIVE
 
 
 def test_a_failed_cell_is_not_a_result(gen: Any, tmp_path: Path) -> None:
@@ -621,6 +643,30 @@ def test_reads_zero_is_three_way(gen: Any) -> None:
     assert gen.reads_zero(Interval(-0.02, -0.03, -0.01, 200, 0.95)) is False
     assert gen.reads_zero(Interval(0.01, 0.001, 0.02, 200, 0.95)) is False
     assert gen.reads_zero(Interval(0.0, -0.02, 0.02, 200, 0.95)) is None
+
+
+def test_export_keeps_committed_cells_whose_runs_are_not_here(gen: Any, tmp_path: Path) -> None:
+    """A sweep run in two sessions (or on two machines): the second export, with only its own run
+    directories present, keeps the first's finished rows and steps byte for byte; a run that is here
+    replaces a committed row; keep=False drops what is not here."""
+    import shutil
+
+    from asyncrl.lab.evidence import export_sweep
+
+    kl_sweep(tmp_path, lambda v, s: 0.2)
+    sweep, data = tmp_path / "kl_direction_x_lag", tmp_path / "data"
+    export_sweep(sweep, data)
+    first = {f: (data / f).read_bytes() for f in ("runs.csv", "steps.csv")}
+    gone = sorted((sweep / "runs").iterdir())[:3]  # this machine no longer has these run directories
+    for run in gone:
+        shutil.rmtree(run)
+    export_sweep(sweep, data)
+    assert {f: (data / f).read_bytes() for f in ("runs.csv", "steps.csv")} == first
+    export_sweep(sweep, tmp_path / "fresh", keep=False)
+    rows = (tmp_path / "fresh" / "runs.csv").read_text().splitlines()
+    assert sum(",pending," in r for r in rows) == 3
+    export_sweep(sweep, data, keep=False)  # no kept rows: the missing cells are pending again
+    assert sum(",pending," in r for r in (data / "runs.csv").read_text().splitlines()) == 3
 
 
 def test_committed_document_is_its_committed_evidence_regenerated(gen: Any) -> None:

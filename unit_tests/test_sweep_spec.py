@@ -144,7 +144,7 @@ def test_examples_are_valid_sweeps() -> None:
     assert by_variant["reverse_mc_m16"].sampling.mc_samples == 16 and by_variant["forward_mc_m4"].cache.m == 4
     assert by_variant["reverse_topk_k64"].cache.k == 64
     grpo = load_sweep(SWEEPS / "async_grpo.yaml")
-    assert len(grpo.cells) == 5 * 2 * 5 and all(c.config.algo == "rl" for c in grpo.cells)  # 5 seeds
+    assert len(grpo.cells) == 8 * 2 * 5 and all(c.config.algo == "rl" for c in grpo.cells)  # 5 seeds
     assert {c.settings["variant"]: c.config.controllers for c in grpo.cells}["none"] == ()
     tiny = load_sweep(SWEEPS / "tiny.yaml")
     assert [c.key for c in tiny.cells] == ["pipeline.max_lag=0__seed=0", "pipeline.max_lag=2__seed=0"]

@@ -128,23 +128,52 @@ def _last_eval(metrics: Sequence[Mapping[str, Any]]) -> float | None:
     return float(evals[-1]) if evals else None
 
 
+def _committed(out_dir: Path) -> tuple[dict[str, dict[str, str]], dict[str, list[dict[str, str]]]]:
+    """The finished rows ``out_dir`` already holds, by cell, and their steps (as written: strings)."""
+    if not (out_dir / RUNS_FILE).exists():
+        return {}, {}
+    with (out_dir / RUNS_FILE).open(encoding="utf-8", newline="") as fh:
+        rows = {r["cell"]: r for r in csv.DictReader(fh) if r.get("outcome") != PENDING}
+    steps: dict[str, list[dict[str, str]]] = {}
+    if (out_dir / STEPS_FILE).exists():
+        with (out_dir / STEPS_FILE).open(encoding="utf-8", newline="") as fh:
+            for r in csv.DictReader(fh):
+                steps.setdefault(r["cell"], []).append({k: v for k, v in r.items() if v != ""})
+    return rows, steps
+
+
 def export_sweep(
-    sweep_dir: str | Path, out_dir: str | Path, *, metrics: Sequence[str] = DEFAULT_STEP_METRICS
+    sweep_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    metrics: Sequence[str] = DEFAULT_STEP_METRICS,
+    keep: bool = True,
 ) -> tuple[Path, Path, Path]:
     """Export the sweep in ``sweep_dir`` (its ``sweep.json``) to ``out_dir``; returns the three files.
 
     Every cell of the manifest gets a row, also a pending or failed one (its outcome says so), so a
-    reader sees what is missing; ``active/*`` metrics any run logged are exported with ``metrics``."""
+    reader sees what is missing; ``active/*`` metrics any run logged are exported with ``metrics``.
+    ``keep``: a cell whose run directory is not here keeps the finished row and steps ``out_dir``
+    already holds, so exporting from a machine that ran part of a sweep (or ran it in another session)
+    never drops evidence committed from elsewhere; a run directory that is here always wins."""
     sweep_dir, out_dir = Path(sweep_dir), Path(out_dir)
     doc = json.loads((sweep_dir / "sweep.json").read_text())
     settings = list(dict.fromkeys(k for cell in doc["cells"] for k in cell["settings"]))
+    kept_rows, kept_steps = _committed(out_dir) if keep else ({}, {})
     runs, steps, names = [], [], list(metrics)
     histories: dict[str, list[dict[str, Any]]] = {}
+    kept_cells: set[str] = set()
     for cell in doc["cells"]:
         run_dir = Path(cell["run_dir"])
         if not run_dir.is_absolute():
             run_dir = sweep_dir / "runs" / cell["key"]
         summary = read_summary(run_dir) if run_dir.exists() else None
+        if summary is None and cell["key"] in kept_rows:
+            kept_cells.add(cell["key"])
+            runs.append(kept_rows[cell["key"]])
+            histories[cell["key"]] = kept_steps.get(cell["key"], [])
+            names += [k for m in histories[cell["key"]] for k in m if k.startswith(N.ACTIVE_PREFIX)]
+            continue
         outcome = PENDING if summary is None else str(summary.get("status", N.STATUS_COMPLETED))
         history = read_metrics(run_dir) if summary is not None else []
         histories[cell["key"]] = history
@@ -155,8 +184,10 @@ def export_sweep(
         runs.append(row)
     names = list(dict.fromkeys(names))
     for cell in doc["cells"]:
+        kept = cell["key"] in kept_cells
         for m in histories[cell["key"]]:
-            present = {k: m[k] for k in names if isinstance(m.get(k), int | float)}
+            # a kept step's values are the committed text; a run's, the numbers it logged
+            present = {k: m[k] for k in names if (k in m if kept else isinstance(m.get(k), int | float))}
             if present:
                 steps.append(
                     {"cell": cell["key"], N.STEP: m.get(N.STEP), N.TIME_S: m.get(N.TIME_S), **present}
