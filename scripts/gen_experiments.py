@@ -1,18 +1,22 @@
 """Regenerate EXPERIMENTS.md and its plots (docs/experiments/*.png) from the committed evidence.
 
     asyncrl pretrain --preset small
-    for s in kl_direction_x_lag cache_finiteness async_grpo lr_x_lag \
-             recompute_vs_stabilisers s_eta_opd s_eta_grpo accuracy_vs_wall_time; do
+    for s in kl_direction_x_lag cache_finiteness async_grpo recompute_vs_stabilisers s_eta_opd \
+             s_eta_grpo accuracy_vs_wall_time real_pair real_pair_healed; do
         asyncrl sweep examples/sweeps/$s.yaml                 # resumable: finished cells are not rerun
     done
     python scripts/gen_experiments.py --export-from runs/sweeps   # runs/sweeps/<s> -> experiments/data/<s>
     python scripts/frozen_theta.py ...                        # cache finiteness at frozen θ (its docstring)
+    python scripts/probe_null.py ...                          # the probe at zero lag (its docstring)
     python scripts/gen_experiments.py                         # EXPERIMENTS.md + plots, from experiments/data
     python scripts/gen_experiments.py --check                 # regenerate elsewhere, compare byte for byte
 
 The document is a function of ``experiments/data/`` alone (tracked; ``asyncrl.lab.evidence``
 writes it from the sweeps' run directories, which are not): nothing is rerun to regenerate it, and
-``--check`` proves the committed document and plots are what the committed data gives.
+``--check`` proves the committed document and plots are what the committed data gives. An export
+keeps the committed rows of cells whose run directories are not on this machine
+(``export_sweep(keep=True)``), so evidence committed from another session or machine is never
+dropped by a later export.
 
 Every experiment tests one published claim and ends in a one-line verdict, *reproduced*, *not
 reproduced* or *inconclusive at this scale*, decided by the rule printed beside it (fixed before the
