@@ -667,6 +667,10 @@ def test_export_keeps_committed_cells_whose_runs_are_not_here(gen: Any, tmp_path
     assert sum(",pending," in r for r in rows) == 3
     export_sweep(sweep, data, keep=False)  # no kept rows: the missing cells are pending again
     assert sum(",pending," in r for r in (data / "runs.csv").read_text().splitlines()) == 3
+    # a committed failure is not a result: with its run directory gone it is pending (to run again)
+    (data / "runs.csv").write_text((data / "runs.csv").read_text().replace(",pending,", ",failed,"))
+    export_sweep(sweep, data)
+    assert sum(",pending," in r for r in (data / "runs.csv").read_text().splitlines()) == 3
 
 
 def test_committed_document_is_its_committed_evidence_regenerated(gen: Any) -> None:

@@ -128,12 +128,17 @@ def _last_eval(metrics: Sequence[Mapping[str, Any]]) -> float | None:
     return float(evals[-1]) if evals else None
 
 
+_FINISHED = (N.STATUS_COMPLETED, N.STATUS_ABORTED)
+
+
 def _committed(out_dir: Path) -> tuple[dict[str, dict[str, str]], dict[str, list[dict[str, str]]]]:
-    """The finished rows ``out_dir`` already holds, by cell, and their steps (as written: strings)."""
+    """The finished rows (completed, or aborted by the numerics guard) ``out_dir`` already holds, by
+    cell, and their steps (as written: strings)."""
     if not (out_dir / RUNS_FILE).exists():
         return {}, {}
     with (out_dir / RUNS_FILE).open(encoding="utf-8", newline="") as fh:
-        rows = {r["cell"]: r for r in csv.DictReader(fh) if r.get("outcome") != PENDING}
+        # finished: a result of its config (a failed or pending cell is missing, and is run again)
+        rows = {r["cell"]: r for r in csv.DictReader(fh) if r.get("outcome") in _FINISHED}
     steps: dict[str, list[dict[str, str]]] = {}
     if (out_dir / STEPS_FILE).exists():
         with (out_dir / STEPS_FILE).open(encoding="utf-8", newline="") as fh:
