@@ -289,8 +289,8 @@ CONTEXT: dict[str, tuple[str, str]] = {
     ),
     "probe_null": (
         "this study's squared-bias instrument (asyncrl.telemetry.gradients: the row-group cross-product is "
-        "unbiased for ‖b‖² when the groups are independent); experiment 6 read −0.020 [−0.029, −0.012] at "
-        "S = 0, η 2e-4, where the bias is 0.",
+        "unbiased for ‖b‖² when the groups are independent); experiment 6's S = 0 rows, where the bias is 0, "
+        "read below 0 (its bias table).",
         "An interval that excludes 0 at any θ (the groups would not be independent, or the on-policy "
         "estimator not unbiased, and every bias² figure in this document would carry that offset); an "
         "interval wider than the tolerance narrows with more batches.",
@@ -688,7 +688,11 @@ def async_grpo(sweep: Sweep | None, plots: Path) -> Section:
     else:
         parts[f"ess_lr / gradient_alignment stabilise S={hi} (no instability without them)"] = None
     tuned = max(
-        ((reward[(v, lo)].mean, -i, v) for i, v in enumerate(GRPO_GAC) if cell.get((v, lo))),
+        (
+            (reward[(v, lo)].mean, -i, v)
+            for i, v in enumerate(GRPO_GAC)
+            if cell.get((v, lo)) and math.isfinite(reward[(v, lo)].mean)
+        ),
         default=None,
     )
     if tuned is None or not cell.get((tuned[2], hi)):
@@ -1652,6 +1656,9 @@ PROBE_NULL_FILE = "probe_null.csv"  # scripts/probe_null.py
 #: the half-width (of |g|²) an interval around 0 must be inside to say "reads 0": a quarter of
 #: experiment 6's S = 0 offset, so an offset of that size could not hide in it
 NULL_TOL = 0.005
+#: probes behind one cell of experiment 6 (a probe every 20 of 200 steps, 5 seeds): the noise-only
+#: half-width the table reports is for a cell of this many
+CELL_PROBES = 10 * 5
 
 
 def load_probe_null(data: Path) -> list[dict[str, Any]] | None:
@@ -1700,8 +1707,7 @@ def probe_null(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
         label = "the starting student" if theta == "start" else f"step {theta}"
         parts[f"{label}: Σ B / Σ |g|² = {iv}, within ±{NULL_TOL} and containing 0"] = reads_zero(iv)
         per = np.array([r["bias_sq"] / r["ref_sq"] for r in sel])
-        # what a cell of experiment 6 sees from noise alone: 10 probes per run, 5 seeds
-        spread = float(np.std(per, ddof=1) / math.sqrt(50))
+        spread = float(np.std(per, ddof=1) / math.sqrt(CELL_PROBES))  # a cell of experiment 6, noise alone
         table.append([
             label, len(sel), f"{np.mean([r['tokens'] for r in sel]):.0f}", str(iv),
             str(batch_ratio(sel, "noise_sq")), f"{np.std(per, ddof=1):.3f}", f"±{1.96 * spread:.3f}",
@@ -1715,10 +1721,19 @@ def probe_null(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
     body = [
         "Per θ: batches, valid tokens per batch, the squared bias and the noise variance over |g|² (ratios "
         f"of sums, {LEVEL:.0%} bootstrap over batches), the spread of one batch's B / |g|², and the "
-        "half-width that spread alone gives a cell of 50 probes (experiment 6: 10 probes per run, 5 seeds):",
+        f"half-width that spread alone gives a cell of {CELL_PROBES} probes (experiment 6: 10 probes per "
+        "run, 5 seeds):",
         "",
         *md_table(
-            ["θ", "batches", "tokens/batch", "bias² / |g|²", "noise / |g|²", "SD of one batch", "50 probes"],
+            [
+                "θ",
+                "batches",
+                "tokens/batch",
+                "bias² / |g|²",
+                "noise / |g|²",
+                "SD of one batch",
+                f"{CELL_PROBES} probes",
+            ],
             table,
         ),
     ]

@@ -63,27 +63,26 @@ def prompts(cfg: Any, plan: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, np.concatenate([b[R.PROMPT_MASK] for b in blocks])
 
 
-def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(
+    cfg: Any, plan: Any, teacher: Any, prompt_cols: tuple[np.ndarray, np.ndarray], theta: str, model_dir: str,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """``args.batches`` i.i.d. batches at the student in ``model_dir``: generated, scored, probed."""
     from transformers import AutoModelForCausalLM
 
     from asyncrl.caches import CACHES, score_teacher
     from asyncrl.engines.hf import HFEngine
     from asyncrl.estimators import build as build_estimator
-    from asyncrl.plan import make_plan
     from asyncrl.stages import pad_rollout
     from asyncrl.telemetry.gradients import GradientProbe, WithDenseLogits
 
-    plan = make_plan(cfg)
-    ids, mask = prompts(cfg, plan, args.rows)
+    ids, mask = prompt_cols
     rng = np.random.default_rng(args.seed)  # each batch: rows distinct prompts, drawn afresh (i.i.d. batches)
-    teacher = AutoModelForCausalLM.from_pretrained(plan.models.teacher_dir).eval()
     student = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     engine = HFEngine.from_pretrained(plan.models.student_dir)
     engine.load_weights(student.state_dict(), 0)
     estimator = build_estimator(cfg.estimator.name, dict(cfg.estimator.options))
     probe = GradientProbe(student, estimator, temperature=cfg.sampling.temperature)
-    if plan.cache_kind is None:
-        raise ValueError(f"estimator {cfg.estimator.name!r} reads no teacher cache: the probe is for OPD")
     cache = WithDenseLogits(CACHES.get(plan.cache_kind)(**plan.cache_options))  # a probed block's cache
     params = cfg.sampling
     out = []
@@ -96,21 +95,13 @@ def measure(cfg: Any, theta: str, model_dir: str, args: argparse.Namespace) -> l
         batch = R.trim_to_longest(batch)
         batch |= score_teacher(teacher, batch, cache, seed=b)  # the cache's columns and z/τ, as scored
         m = probe(batch)
-        row = {
-            "theta": theta,
-            "seed": args.seed,
-            "batch": b,
-            "rows": args.rows,
-            "tokens": int(batch[R.COMPLETION_MASK].sum()),
-            "groups": int(m["gradref/groups"]),
-            "bias_sq": m["gradref/bias_sq"],
-            "ref_sq": m["gradref/ref_sq"],
-            "noise_sq": m["gradref/noise_sq"],
-        }
-        out.append(row)
+        out.append({
+            "theta": theta, "seed": args.seed, "batch": b, "rows": args.rows,
+            "tokens": int(batch[R.COMPLETION_MASK].sum()), "groups": int(m["gradref/groups"]),
+            "bias_sq": m["gradref/bias_sq"], "ref_sq": m["gradref/ref_sq"], "noise_sq": m["gradref/noise_sq"],
+        })  # fmt: skip
         if (b + 1) % 25 == 0:
-            done = out[-(b + 1) :]
-            ratio = sum(r["bias_sq"] for r in done) / sum(r["ref_sq"] for r in done)
+            ratio = sum(r["bias_sq"] for r in out) / sum(r["ref_sq"] for r in out)
             print(f"theta {theta}: {b + 1} batches, bias²/|g|² so far {ratio:+.4f}", flush=True)
     return out
 
@@ -133,10 +124,25 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    out, kept = Path(args.out), []
+    if args.append and out.exists():  # checked before the (long) measurement, not after it
+        with out.open(encoding="utf-8", newline="") as fh:
+            kept = list(csv.DictReader(fh))
+        if kept and tuple(kept[0]) != COLUMNS:
+            raise ValueError(
+                f"--append: {out} has columns {tuple(kept[0])}, not {COLUMNS}; write a new --out"
+            )
+        if any(int(r["seed"]) == args.seed for r in kept):
+            raise ValueError(f"--append: {out} already has --seed {args.seed}'s batches; pick another seed")
     cfg = load_config(args.config, args.set)
+    from transformers import AutoModelForCausalLM
+
     from asyncrl.plan import make_plan
 
-    thetas = [("start", make_plan(cfg).models.student_dir)]
+    plan = make_plan(cfg)
+    if plan.cache_kind is None:
+        raise ValueError(f"estimator {cfg.estimator.name!r} reads no teacher cache: the probe is for OPD")
+    thetas = [("start", plan.models.student_dir)]
     if args.run:
         from asyncrl.checkpoint import MODEL_DIR, scan
 
@@ -146,18 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"--run {args.run}: no complete checkpoint under its checkpoints/ (train.checkpoint_every)"
             )
         thetas += found
-    rows = [r for theta, path in thetas for r in measure(cfg, theta, path, args)]
-    out = Path(args.out)
-    if args.append and out.exists():
-        with out.open(encoding="utf-8", newline="") as fh:
-            kept = list(csv.DictReader(fh))
-        if kept and tuple(kept[0]) != COLUMNS:
-            raise ValueError(
-                f"--append: {out} has columns {tuple(kept[0])}, not {COLUMNS}; write a new --out"
-            )
-        if any(int(r["seed"]) == args.seed for r in kept):
-            raise ValueError(f"--append: {out} already has --seed {args.seed}'s batches; pick another seed")
-        rows = kept + rows
+    teacher = AutoModelForCausalLM.from_pretrained(plan.models.teacher_dir).eval()
+    cols = prompts(cfg, plan, args.rows)  # the same prompt pool (and draws, by seed) for every θ
+    rows = kept + [r for theta, path in thetas for r in measure(cfg, plan, teacher, cols, theta, path, args)]
     write_csv(out, COLUMNS, rows)
     print(f"{len(rows)} rows -> {out}")
     return 0

@@ -177,17 +177,16 @@ def export_sweep(
             kept_cells.add(cell["key"])
             runs.append(kept_rows[cell["key"]])
             histories[cell["key"]] = kept_steps.get(cell["key"], [])
-            names += [k for m in histories[cell["key"]] for k in m if k.startswith(N.ACTIVE_PREFIX)]
-            continue
-        outcome = PENDING if summary is None else str(summary.get("status", N.STATUS_COMPLETED))
-        history = read_metrics(run_dir) if summary is not None else []
-        histories[cell["key"]] = history
-        names += sorted({k for m in history for k in m if k.startswith(N.ACTIVE_PREFIX)} - set(names))
-        row = {"cell": cell["key"], **cell["settings"], "seed": cell["seed"], "outcome": outcome}
-        row |= {k: (summary or {}).get(k) for k in EXPORTED_SUMMARY}
-        row["last_eval_accuracy"] = _last_eval(history)
-        runs.append(row)
-    names = list(dict.fromkeys(names))
+        else:
+            outcome = PENDING if summary is None else str(summary.get("status", N.STATUS_COMPLETED))
+            history = read_metrics(run_dir) if summary is not None else []
+            histories[cell["key"]] = history
+            row = {"cell": cell["key"], **cell["settings"], "seed": cell["seed"], "outcome": outcome}
+            row |= {k: (summary or {}).get(k) for k in EXPORTED_SUMMARY}
+            row["last_eval_accuracy"] = _last_eval(history)
+            runs.append(row)
+        active = {k for m in histories[cell["key"]] for k in m if k.startswith(N.ACTIVE_PREFIX)}
+        names += sorted(active - set(names))  # kept or run: the same order
     for cell in doc["cells"]:
         kept = cell["key"] in kept_cells
         for m in histories[cell["key"]]:
@@ -197,7 +196,6 @@ def export_sweep(
                 steps.append(
                     {"cell": cell["key"], N.STEP: m.get(N.STEP), N.TIME_S: m.get(N.TIME_S), **present}
                 )
-    out_dir.mkdir(parents=True, exist_ok=True)
     header = ["cell", *settings, "seed", "outcome", *EXPORTED_SUMMARY, "last_eval_accuracy"]
     write_csv(out_dir / RUNS_FILE, header, runs)
     write_csv(out_dir / STEPS_FILE, ["cell", N.STEP, N.TIME_S, *names], steps)
