@@ -225,3 +225,36 @@ def test_sweep_command_config_errors_exit_2_and_failures_exit_1(
     assert "cells: 3 done, 1 failed (4 run now)" in captured.out
     assert "cell pipeline.max_lag=2__seed=1 failed: RuntimeError: boom" in captured.err
     assert fake_pipeline.calls == [c.key for c in load_sweep(sweep_file).cells]
+
+
+def test_only_runs_the_selected_cells_and_the_manifest_keeps_every_cell(
+    sweep_file: Path, fake_pipeline: FakeRunner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["sweep", str(sweep_file), "-q", "--only", "pipeline.max_lag=2", "--only", "seed=1"]) == 0
+    assert fake_pipeline.calls == ["pipeline.max_lag=2__seed=1"]
+    assert "cells: 3 pending, 1 done (1 run now)" in capsys.readouterr().out
+    manifest = json.loads((sweep_file.parent / "out" / MANIFEST).resolve().read_text())
+    assert [c["status"] for c in manifest["cells"]] == ["pending", "pending", "pending", "done"]
+    # several values of one key, comma-separated: any of them; the done cell is not rerun
+    args = ["sweep", str(sweep_file), "-q", "--only", "pipeline.max_lag=0,2", "--only", "seed=1"]
+    assert cli.main(args) == 0
+    assert fake_pipeline.calls == ["pipeline.max_lag=2__seed=1", "pipeline.max_lag=0__seed=1"]
+    assert cli.main(["sweep", str(sweep_file), "--list", "--only", "seed=0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("2 cells (--only: 2 of 4) in ") and all("seed=0" in x for x in lines[-3:-1])
+
+
+@pytest.mark.parametrize(
+    ("only", "message"),
+    [
+        ("pipeline.max_lag=3", "pipeline.max_lag has no value '3'; it has 0, 2"),
+        ("train.lr=1", "'train.lr' is not swept; choose from pipeline.max_lag, seed"),
+        ("seed", "'seed' is not KEY=VALUE"),
+    ],
+)
+def test_only_names_the_key_or_value_it_does_not_know(
+    sweep_file: Path, fake_pipeline: FakeRunner, capsys: pytest.CaptureFixture[str], only: str, message: str
+) -> None:
+    assert cli.main(["sweep", str(sweep_file), "--only", only]) == 2
+    assert message in capsys.readouterr().err
+    assert fake_pipeline.calls == []

@@ -228,34 +228,43 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # --- sweep -----------------------------------------------------------------------------------------
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from asyncrl.lab.sweep import SweepError, aggregate_sweep, cell_state, load_sweep, run_sweep
+    from asyncrl.lab.sweep import (
+        SweepError,
+        aggregate_sweep,
+        cell_state,
+        load_sweep,
+        run_sweep,
+        select_cells,
+    )
     from asyncrl.telemetry.progress import GridProgress
 
     if args.parallel < 1:
         raise CLIError(f"--parallel must be >= 1; got {args.parallel}", EXIT_USAGE)
     try:  # every cell's config, and every existing run directory, before anything runs
         sweep = load_sweep(args.sweep, args.overrides, output_dir=args.output_dir)
+        chosen = select_cells(sweep, args.only) if args.only else sweep.cells
         states = {c.key: cell_state(c, sweep.path) for c in sweep.cells}
     except SweepError as err:
         raise CLIError(str(err), EXIT_USAGE) from None
+    part = f" (--only: {len(chosen)} of {len(sweep.cells)})" if args.only else ""
     if args.list:
-        for cell in sweep.cells:
+        for cell in chosen:
             print(f"{states[cell.key]:<8} {cell.key}")
-        print(f"{len(sweep.cells)} cells in {sweep.output_dir}")
+        print(f"{len(chosen)} cells{part} in {sweep.output_dir}")
         return 0
-    todo = [c for c in sweep.cells if states[c.key] != "done"]
+    todo = [c for c in chosen if states[c.key] != "done"]
     results: dict[str, Any] = {}
     if todo and not args.report_only:
         for cfg in {c.config.workload: c.config for c in todo}.values():
             _check_checkpoints(cfg)
         _say(
             args,
-            f"sweep {sweep.name}: {len(sweep.cells)} cells, {len(sweep.cells) - len(todo)} done before, "
+            f"sweep {sweep.name}: {len(chosen)} cells{part}, {len(chosen) - len(todo)} done before, "
             f"{len(todo)} to run -> {sweep.output_dir}",
         )
         with GridProgress(
-            len(sweep.cells),
-            done=len(sweep.cells) - len(todo),
+            len(chosen),
+            done=len(chosen) - len(todo),
             concurrency=args.parallel,
             enabled=not args.quiet,
             title=f"sweep {sweep.name}",
@@ -266,6 +275,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 progress=progress,
                 fail_fast=args.fail_fast,
                 say=lambda line: _say(args, line),
+                only=[c.key for c in chosen],
             )
     out = aggregate_sweep(sweep, results)
     counts = ", ".join(f"{n} {status}" for status, n in out.statuses.items())
@@ -746,6 +756,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--report-only", action="store_true", help="run nothing; aggregate what the sweep directory holds"
     )
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failed cell")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run only the cells with this value of a swept key, variant or seed (repeat, or VALUE1,VALUE2, "
+        "for several; different keys must all match), e.g. --only pipeline.max_lag=2,4 --only seed=3,4; "
+        "the tables and the report still cover every cell of the file",
+    )
 
     p = add(
         "validate",

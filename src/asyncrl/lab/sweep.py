@@ -72,6 +72,7 @@ __all__ = [
     "cell_state",
     "load_sweep",
     "run_sweep",
+    "select_cells",
 ]
 
 VARIANT = "variant"
@@ -408,6 +409,45 @@ def load_sweep(
     )
 
 
+def select_cells(sweep: Sweep, only: Sequence[str]) -> tuple[Cell, ...]:
+    """The cells that match every ``KEY=VALUE`` of ``only`` (``--only``): KEY is a swept key, ``variant``
+    or ``seed``, VALUE a label as it appears in cell keys. Several values of one key (repeated, or
+    comma-separated unless the whole text is one label) select any of them; different keys all hold.
+
+    Why: filling in part of a long sweep (one lag, the new variants, more seeds) runs just those cells,
+    while the manifest, the tables and the report still cover every cell of the file, so the part joins
+    the whole instead of starting a sweep of its own. Raises ``SweepError`` naming the key or value and
+    what the sweep has."""
+    labels: dict[str, dict[str, None]] = {}  # key -> its labels in cell order
+    for cell in sweep.cells:
+        for key, value in cell.settings.items():
+            labels.setdefault(key, {})[value_label(value)] = None
+        labels.setdefault(SEED, {})[str(cell.seed)] = None
+    wanted: dict[str, set[str]] = {}
+    for item in only:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise _fail(
+                sweep.path, "--only", f"{item!r} is not KEY=VALUE (e.g. pipeline.max_lag=2,4 or seed=0)"
+            )
+        if key not in labels:
+            raise _fail(sweep.path, "--only", f"{key!r} is not swept; choose from {', '.join(labels)}")
+        values = [text] if text in labels[key] else [v.strip() for v in text.split(",")]
+        for value in values:
+            if value not in labels[key]:
+                raise _fail(
+                    sweep.path, "--only", f"{key} has no value {value!r}; it has {', '.join(labels[key])}"
+                )
+        wanted.setdefault(key, set()).update(values)
+
+    def matches(cell: Cell) -> bool:
+        have = {k: value_label(v) for k, v in cell.settings.items()} | {SEED: str(cell.seed)}
+        return all(have[k] in vs for k, vs in wanted.items())
+
+    return tuple(c for c in sweep.cells if matches(c))
+
+
 # --- resume -------------------------------------------------------------------------------------------
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict) and d:
@@ -566,10 +606,13 @@ def run_sweep(
     progress: Any = None,
     fail_fast: bool = False,
     say: Callable[[str], None] = print,
+    only: Iterable[str] | None = None,
 ) -> dict[str, CellResult]:
     """Run every cell that is not done; returns what happened to each cell, by key.
 
     Args:
+        only: keys of the cells to run (``select_cells``); default every cell. The manifest covers
+            every cell either way.
         runner: runs one config (default ``asyncrl.run`` in this process, cells sharing one Ray
             instance when they agree on its settings). A custom runner gets no Ray (tests).
         parallel: cells at a time; > 1 drives each cell's pipeline from its own Ray task, capped at
@@ -587,7 +630,8 @@ def run_sweep(
     results: dict[str, CellResult] = {
         c.key: CellResult("skipped") for c in sweep.cells if states[c.key] == "done"
     }
-    todo = [c for c in sweep.cells if states[c.key] != "done"]
+    chosen = None if only is None else set(only)
+    todo = [c for c in sweep.cells if states[c.key] != "done" and (chosen is None or c.key in chosen)]
     _write_manifest(sweep, results)
     if not todo:
         return results

@@ -293,6 +293,19 @@ class GradientProbe:
         )
         return logits if self.temperature == 1.0 else logits / self.temperature
 
+    def _teacher(self, tb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The teacher's logits with padded positions zeroed (they are masked out of every sum)."""
+        mask = tb[R.COMPLETION_MASK].bool()
+        return torch.where(mask.unsqueeze(-1), tb[R.TEACHER_LOGITS], torch.zeros_like(tb[R.TEACHER_LOGITS]))
+
+    def _reference_loss(self, logits: torch.Tensor, tb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The exact dense KL in the estimator's direction, reduced as the estimator reduces its loss."""
+        mask = tb[R.COMPLETION_MASK].bool()
+        loss, _ = reduce_loss(
+            _dense_kl(self.direction)(logits, self._teacher(tb)), mask, aggregation=self.aggregation
+        )
+        return loss
+
     def _group(self, tb: Mapping[str, torch.Tensor], rows: np.ndarray) -> _Group:
         idx = torch.as_tensor(rows, device=tb[R.COMPLETION_MASK].device)
         sub = {k: v.index_select(0, idx) for k, v in tb.items()}
@@ -300,12 +313,8 @@ class GradientProbe:
         logits = self._logits(sub)
         mask = sub[R.COMPLETION_MASK].bool()
         est = self.estimator(logits, sub)
-        teacher = torch.where(
-            mask.unsqueeze(-1), sub[R.TEACHER_LOGITS], torch.zeros_like(sub[R.TEACHER_LOGITS])
-        )
-        ref_loss, _ = reduce_loss(
-            _dense_kl(self.direction)(logits, teacher), mask, aggregation=self.aggregation
-        )
+        teacher = self._teacher(sub)
+        ref_loss = self._reference_loss(logits, sub)
         g_est = torch.autograd.grad(est.loss, params, retain_graph=True, allow_unused=True)
         g_ref = torch.autograd.grad(ref_loss, params, allow_unused=True)
         n = (
@@ -450,21 +459,24 @@ def frozen_theta(
     if redraw is not None and redraws < 2:
         raise ValueError(f"frozen_theta: redraws must be >= 2 to separate bias from variance; got {redraws}")
     probe = GradientProbe(model, estimator, temperature)
-    base = R.to_torch({k: v for k, v in states.items() if k in R.COLUMNS})
     device = next(model.parameters()).device
-    rows = np.arange(len(base[R.COMPLETION_MASK]))
-    ref: torch.Tensor | None = None
+    cols0 = R.to_torch({k: v for k, v in states.items() if k in R.COLUMNS})
+    base = {k: v.to(device) for k, v in cols0.items()}
+    # θ and the states are fixed, so the student's logits and the dense reference are too: one forward
+    # and one reference backward, then one backward of the estimator's loss per redraw of its columns
+    params = probe._params()
+    logits = probe._logits(base)
+    ref_loss = probe._reference_loss(logits, base)
+    ref = _fill(torch.autograd.grad(ref_loss, params, retain_graph=True, allow_unused=True), params)
     errors, ests = [], []
     for r in range(redraws):
         cols = dict(base)
         if redraw is not None:
-            cols.update(R.to_torch(dict(redraw(r))))
-        tb = {k: v.to(device) for k, v in cols.items()}
-        group = probe._group(tb, rows)
-        ref = group.ref if ref is None else ref
-        errors.append(group.est - ref)
-        ests.append(group.est)
-    assert ref is not None
+            cols.update({k: v.to(device) for k, v in R.to_torch(dict(redraw(r))).items()})
+        loss = probe.estimator(logits, cols).loss
+        est = _fill(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True), params)
+        errors.append(est - ref)
+        ests.append(est)
     ref_sq = float(ref.dot(ref))
     mean_est = torch.stack(ests).mean(0)
     cos = float(mean_est.dot(ref)) / max(float(mean_est.norm()) * math.sqrt(ref_sq), _EPS)
