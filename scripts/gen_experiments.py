@@ -1644,9 +1644,11 @@ def cache_frozen(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
         "slope of log variance on log m lies in [−1.25, −0.75]. The crossover is reported, not tested."
     )
     n = len({r["seed"] for r in rows})
+    redraws = sorted({int(r["redraws"]) for r in rows if r["family"] in ("reverse_mc_m", "forward_mc_m")})
+    drawn = f", {'/'.join(map(str, redraws))} redraws per MC measurement" if redraws else ""
     return Section(
         title, claim, file, _verdict(parts), _says(parts), rule, body, [save(fig, plots, FROZEN)],
-        0.0, f"{n} seed(s), {len(rows)} measurements", tally=_tally(parts),
+        0.0, f"{n} seed(s), {len(rows)} measurements{drawn}", tally=_tally(parts),
     )  # fmt: skip
 
 

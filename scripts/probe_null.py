@@ -89,11 +89,12 @@ def measure(
     for b in range(args.batches):
         pick = rng.choice(len(ids), size=args.rows, replace=False)
         p_ids, p_mask = torch.from_numpy(ids[pick]), torch.from_numpy(mask[pick]).bool()
-        roll = engine.generate(p_ids, p_mask, params, seed=args.seed * 1_000_003 + b)
+        draw_seed = args.seed * 1_000_003 + b  # distinct for every (--seed, batch): appended batches are new
+        roll = engine.generate(p_ids, p_mask, params, seed=draw_seed)
         batch = {R.PROMPT_IDS: p_ids, R.PROMPT_MASK: p_mask}
         batch.update(pad_rollout(roll, params.max_new_tokens, engine.pad_id))
         batch = R.trim_to_longest(batch)
-        batch |= score_teacher(teacher, batch, cache, seed=b)  # the cache's columns and z/τ, as scored
+        batch |= score_teacher(teacher, batch, cache, seed=draw_seed)  # the cache's columns and z/τ
         m = probe(batch)
         out.append({
             "theta": theta, "seed": args.seed, "batch": b, "rows": args.rows,
