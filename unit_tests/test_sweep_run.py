@@ -210,6 +210,9 @@ def test_sweep_command_list_and_report_only(
     assert cli.main(["sweep", str(sweep_file), "--report-only", "-q"]) == 0
     assert "cells: 4 pending (0 run now)" in capsys.readouterr().out
     assert fake_pipeline.calls == []
+    # the manifest follows the file too (a part run from a trimmed copy is brought back to the whole)
+    manifest = json.loads((sweep_file.parent / "out" / MANIFEST).resolve().read_text())
+    assert [c["status"] for c in manifest["cells"]] == ["pending"] * 4
 
 
 def test_sweep_command_config_errors_exit_2_and_failures_exit_1(

@@ -813,10 +813,12 @@ def _table_value(cell: Cell, key: str) -> Any:
 
 def aggregate_sweep(sweep: Sweep, results: Mapping[str, CellResult] | None = None) -> SweepOutputs:
     """Write the tables, the plots and the HTML report of what the sweep directory holds now (cells
-    not done yet are listed with their status and left out of the figures)."""
+    not done yet are listed with their status and left out of the figures), and ``sweep.json`` for
+    every cell of the file (so ``--report-only`` also brings the manifest up to the file)."""
     from asyncrl.lab.sweep_report import write_sweep_report
 
     results = results or {}
+    _write_manifest(sweep, results)
     rows, statuses = [], {}
     for cell in sweep.cells:
         status, error = _status(cell, results)
