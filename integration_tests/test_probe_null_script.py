@@ -13,6 +13,7 @@ import pytest
 from conftest import CACHE, REPO
 
 ESTIMATOR = ["estimator.name=reverse_kl_mc", "estimator.options={advantage: stale, loo_baseline: true}"]
+FORWARD = ["estimator.name=forward_kl_mc", "estimator.options={}"]
 
 
 def _script():
@@ -23,10 +24,10 @@ def _script():
     return module
 
 
-def _args(out: Path, seed: int, *extra: str) -> list[str]:
+def _args(out: Path, seed: int, *extra: str, estimator: list[str] = ESTIMATOR) -> list[str]:
     return [
         "--config", str(REPO / "examples" / "configs" / "opd_tiny.yaml"),
-        "--set", f"workload.cache_dir={CACHE}", *ESTIMATOR, "sampling.mc_samples=4",
+        "--set", f"workload.cache_dir={CACHE}", *estimator, "sampling.mc_samples=4",
         "--batches", "3", "--rows", "8", "--seed", str(seed), "--out", str(out), *extra,
     ]  # fmt: skip
 
@@ -41,16 +42,23 @@ def test_probe_null_writes_one_row_per_batch_and_appends_seeds(tiny_pair, tmp_pa
     assert script.main(_args(out, 0)) == 0
     rows = _rows(out)
     assert tuple(rows[0]) == script.COLUMNS
-    assert [(r["theta"], r["seed"], r["batch"]) for r in rows] == [("start", "0", str(b)) for b in range(3)]
+    assert [(r["estimator"], r["theta"], r["seed"], r["batch"]) for r in rows] == [
+        ("reverse_kl_mc", "start", "0", str(b)) for b in range(3)
+    ]
     for r in rows:
         assert r["rows"] == "8" and r["groups"] == "4" and int(r["tokens"]) > 0
         assert math.isfinite(float(r["bias_sq"])) and float(r["ref_sq"]) > 0  # B itself may be < 0
         assert float(r["noise_sq"]) + float(r["bias_sq"]) >= 0  # together they are ‖d‖²
-    with pytest.raises(ValueError, match="already has --seed 0"):  # the same batches twice: refused
+    with pytest.raises(ValueError, match="already has reverse_kl_mc's batches of --seed 0"):  # twice: refused
         script.main(_args(out, 0, "--append"))
     assert script.main(_args(out, 1, "--append")) == 0
     again = _rows(out)
     assert again[:3] == rows and [r["seed"] for r in again[3:]] == ["1"] * 3
     assert [r["bias_sq"] for r in again[3:]] != [r["bias_sq"] for r in rows]  # independent batches
+    # another estimator's batches at a seed already in the file: its own rows (a sampling cache's draws)
+    assert script.main(_args(out, 0, "--append", estimator=FORWARD)) == 0
+    fwd = _rows(out)[6:]
+    assert [(r["estimator"], r["seed"]) for r in fwd] == [("forward_kl_mc", "0")] * 3
+    assert all(float(r["ref_sq"]) > 0 and math.isfinite(float(r["bias_sq"])) for r in fwd)
     with pytest.raises(ValueError, match="no complete checkpoint"):
         script.main(_args(tmp_path / "other.csv", 0, "--run", str(tmp_path)))

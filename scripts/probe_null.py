@@ -22,10 +22,15 @@ from the batches themselves (a bootstrap over batches), as narrow as their numbe
         sampling.mc_samples=8 --batches 1000 --run runs/probe_null_theta --seed 0 \\
         --out experiments/data/probe_null/probe_null.csv
     # ... and the same with --seed 1 --append: 1000 more independent batches per θ
+    # forward KL by one teacher draw per token (unbiased at any lag: its draws come from the teacher)
+    python scripts/probe_null.py --config examples/configs/opd_async.yaml \
+        --set estimator.name=forward_kl_mc 'estimator.options={}' sampling.mc_samples=1 --batches 1000 \\
+        --run runs/probe_null_theta --seed 0 --append --out experiments/data/probe_null/probe_null.csv
 
-One CSV row per (θ, batch): ``theta`` (``start`` for the starting student, else a checkpoint's
-step), ``seed`` (of the batches' prompts and draws: runs with different seeds add independent batches),
-``batch``, ``rows``, ``tokens``, ``groups``, ``bias_sq``, ``ref_sq``, ``noise_sq``.
+One CSV row per (estimator, θ, batch): ``estimator`` (``estimator.name``), ``theta`` (``start`` for the
+starting student, else a checkpoint's step), ``seed`` (of the batches' prompts and draws: runs with
+different seeds add independent batches), ``batch``, ``rows``, ``tokens``, ``groups``, ``bias_sq``,
+``ref_sq``, ``noise_sq``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from asyncrl import records as R
 from asyncrl.lab.evidence import write_csv
 
-COLUMNS = ("theta", "seed", "batch", "rows", "tokens", "groups", "bias_sq", "ref_sq", "noise_sq")
+COLUMNS = ("estimator", "theta", "seed", "batch", "rows", "tokens", "groups", "bias_sq", "ref_sq", "noise_sq")
 
 
 def prompts(cfg: Any, plan: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,13 +102,15 @@ def measure(
         batch |= score_teacher(teacher, batch, cache, seed=draw_seed)  # the cache's columns and z/τ
         m = probe(batch)
         out.append({
-            "theta": theta, "seed": args.seed, "batch": b, "rows": args.rows,
+            "estimator": cfg.estimator.name, "theta": theta, "seed": args.seed, "batch": b, "rows": args.rows,
             "tokens": int(batch[R.COMPLETION_MASK].sum()), "groups": int(m["gradref/groups"]),
             "bias_sq": m["gradref/bias_sq"], "ref_sq": m["gradref/ref_sq"], "noise_sq": m["gradref/noise_sq"],
         })  # fmt: skip
         if (b + 1) % 25 == 0:
             ratio = sum(r["bias_sq"] for r in out) / sum(r["ref_sq"] for r in out)
-            print(f"theta {theta}: {b + 1} batches, bias²/|g|² so far {ratio:+.4f}", flush=True)
+            print(
+                f"{cfg.estimator.name} θ {theta}: {b + 1} batches, bias²/|g|² so far {ratio:+.4f}", flush=True
+            )
     return out
 
 
@@ -125,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    cfg = load_config(args.config, args.set)
     out, kept = Path(args.out), []
     if args.append and out.exists():  # checked before the (long) measurement, not after it
         with out.open(encoding="utf-8", newline="") as fh:
@@ -133,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--append: {out} has columns {tuple(kept[0])}, not {COLUMNS}; write a new --out"
             )
-        if any(int(r["seed"]) == args.seed for r in kept):
-            raise ValueError(f"--append: {out} already has --seed {args.seed}'s batches; pick another seed")
-    cfg = load_config(args.config, args.set)
+        if any(r["estimator"] == cfg.estimator.name and int(r["seed"]) == args.seed for r in kept):
+            raise ValueError(
+                f"--append: {out} already has {cfg.estimator.name}'s batches of --seed {args.seed}; pick "
+                f"another seed"
+            )
     from transformers import AutoModelForCausalLM
 
     from asyncrl.plan import make_plan

@@ -7,7 +7,7 @@ import importlib.util
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -605,14 +605,18 @@ def test_unbiased_is_three_way(gen: Any) -> None:
     assert gen.unbiased_within(Interval(0.0, -math.inf, math.inf, 1, 0.95), tol) is None
 
 
-def write_probe_null(data: Path, offset: float, spread: float, batches: int = 200) -> None:
-    """probe_null.csv as scripts/probe_null.py writes it: two θ, B / |g|² = offset ± spread per batch."""
-    rows = ["theta,seed,batch,rows,tokens,groups,bias_sq,ref_sq,noise_sq"]
-    for theta in ("start", "100"):
-        for b in range(batches):
-            ref = 2.0 + math.cos(b)  # |g|² varies from batch to batch
-            noise = spread * math.sqrt(3.0) * math.sin(1.7 * b + len(theta))  # mean ~0, SD ~ spread
-            rows.append(f"{theta},0,{b},32,120,4,{(offset + noise) * ref},{ref},{0.2 * ref}")
+def write_probe_null(
+    data: Path, estimators: Iterable[str], offset: float, spread: float, batches: int = 200
+) -> None:
+    """probe_null.csv as scripts/probe_null.py writes it: each estimator at two θ, B / |g|² = offset ±
+    spread per batch."""
+    rows = ["estimator,theta,seed,batch,rows,tokens,groups,bias_sq,ref_sq,noise_sq"]
+    for est in estimators:
+        for theta in ("start", "100"):
+            for b in range(batches):
+                ref = 2.0 + math.cos(b)  # |g|² varies from batch to batch
+                noise = spread * math.sqrt(3.0) * math.sin(1.7 * b + len(theta))  # mean ~0, SD ~ spread
+                rows.append(f"{est},{theta},0,{b},32,120,4,{(offset + noise) * ref},{ref},{0.2 * ref}")
     (data / "probe_null").mkdir(parents=True)
     (data / "probe_null" / "probe_null.csv").write_text("\n".join(rows) + "\n")
 
@@ -628,12 +632,21 @@ def write_probe_null(data: Path, offset: float, spread: float, batches: int = 20
 def test_probe_null_rule(
     gen: Any, tmp_path: Path, offset: float, spread: float, verdict: str, part: str
 ) -> None:
-    write_probe_null(tmp_path, offset, spread)
+    write_probe_null(tmp_path, gen.NULL_ESTIMATORS, offset, spread)
     section = gen.probe_null(gen.load_probe_null(tmp_path), tmp_path / "p")
     assert section.verdict == verdict
-    assert section.why.count(f"within ±{gen.NULL_TOL} and containing 0: {part}") == 2  # one part per θ
+    says = f"within ±{gen.NULL_TOL} and containing 0: {part}"
+    assert section.why.count(says) == 2 * len(gen.NULL_ESTIMATORS)  # one part per (estimator, θ)
     assert "the starting student" in section.why and "step 100" in section.why
+    assert all(name in section.why for name in gen.NULL_ESTIMATORS.values())
     assert "50 probes" in "\n".join(section.body)
+
+
+def test_probe_null_an_estimator_not_measured_is_a_part_not_run(gen: Any, tmp_path: Path) -> None:
+    write_probe_null(tmp_path, ["reverse_kl_mc"], 0.0, 0.01)
+    section = gen.probe_null(gen.load_probe_null(tmp_path), tmp_path / "p")
+    assert section.verdict == "inconclusive at this scale"  # the reverse-KL parts alone cannot decide it
+    assert f"{gen.NULL_ESTIMATORS['forward_kl_mc']}: not measured yet: inconclusive" in section.why
 
 
 def test_reads_zero_is_three_way(gen: Any) -> None:
