@@ -13,7 +13,7 @@ import pytest
 from conftest import CACHE, REPO
 
 ESTIMATOR = ["estimator.name=reverse_kl_mc", "estimator.options={advantage: stale, loo_baseline: true}"]
-FORWARD = ["estimator.name=forward_kl_mc", "estimator.options={}"]
+FORWARD = ["estimator.name=forward_kl_mc", "estimator.options={}", "cache.m=2"]
 
 
 def _script():
@@ -42,8 +42,9 @@ def test_probe_null_writes_one_row_per_batch_and_appends_seeds(tiny_pair, tmp_pa
     assert script.main(_args(out, 0)) == 0
     rows = _rows(out)
     assert tuple(rows[0]) == script.COLUMNS
-    assert [(r["estimator"], r["theta"], r["seed"], r["batch"]) for r in rows] == [
-        ("reverse_kl_mc", "start", "0", str(b)) for b in range(3)
+    assert [(r["estimator"], r["m"], r["theta"], r["seed"], r["batch"]) for r in rows] == [
+        ("reverse_kl_mc", "4", "start", "0", str(b))
+        for b in range(3)  # m: the behavior draws probed
     ]
     for r in rows:
         assert r["rows"] == "8" and r["groups"] == "4" and int(r["tokens"]) > 0
@@ -58,7 +59,7 @@ def test_probe_null_writes_one_row_per_batch_and_appends_seeds(tiny_pair, tmp_pa
     # another estimator's batches at a seed already in the file: its own rows (a sampling cache's draws)
     assert script.main(_args(out, 0, "--append", estimator=FORWARD)) == 0
     fwd = _rows(out)[6:]
-    assert [(r["estimator"], r["seed"]) for r in fwd] == [("forward_kl_mc", "0")] * 3
+    assert [(r["estimator"], r["m"], r["seed"]) for r in fwd] == [("forward_kl_mc", "2", "0")] * 3
     assert all(float(r["ref_sq"]) > 0 and math.isfinite(float(r["bias_sq"])) for r in fwd)
     with pytest.raises(ValueError, match="no complete checkpoint"):
         script.main(_args(tmp_path / "other.csv", 0, "--run", str(tmp_path)))

@@ -1683,8 +1683,8 @@ def reads_zero(iv: Interval, tol: float = NULL_TOL) -> bool | None:
 #: the estimators section 12 probes: experiment 6's, and the one sections 2 and 9 read small negative
 #: squared biases for (forward KL by one teacher draw per token)
 NULL_ESTIMATORS = {
-    "reverse_kl_mc": "reverse KL by MC (m = 8)",
-    "forward_kl_mc": "forward KL by teacher draws (m = 1)",
+    "reverse_kl_mc": "reverse KL by behavior draws",
+    "forward_kl_mc": "forward KL by teacher draws",
 }
 
 
@@ -1711,16 +1711,17 @@ def probe_null(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
     table = []
     fig = Figure(figsize=(4.5 * len(NULL_ESTIMATORS), 3.2), layout="constrained")
     axes = fig.subplots(1, len(NULL_ESTIMATORS), squeeze=False)[0]
-    for ax, (est, name) in zip(axes, NULL_ESTIMATORS.items()):
+    for ax, (est, base) in zip(axes, NULL_ESTIMATORS.items()):
         mine = [r for r in rows if r["estimator"] == est]
-        ax.set_title(name, fontsize=8)
+        ax.set_title(base, fontsize=8)
         if not mine:
-            parts[f"{name}: not measured yet"] = None
+            parts[f"{base}: not measured yet"] = None
             continue
         every = np.array([r["bias_sq"] / r["ref_sq"] for r in mine])
         bins = np.linspace(float(every.min()), float(every.max()), 61)  # one set of bins for every θ
-        for theta in dict.fromkeys(r["theta"] for r in mine):
-            sel = [r for r in mine if r["theta"] == theta]
+        for m, theta in dict.fromkeys((int(r["m"]), r["theta"]) for r in mine):
+            name = f"{base} (m = {m})"  # the draws the probed batches held, not a typed figure
+            sel = [r for r in mine if int(r["m"]) == m and r["theta"] == theta]
             iv = batch_ratio(sel, "bias_sq")
             label = "the starting student" if theta == "start" else f"step {theta}"
             says = f"{name}, {label}: Σ B / Σ |g|² = {iv}, within ±{NULL_TOL} and containing 0"

@@ -23,14 +23,15 @@ from the batches themselves (a bootstrap over batches), as narrow as their numbe
         --out experiments/data/probe_null/probe_null.csv
     # ... and the same with --seed 1 --append: 1000 more independent batches per θ
     # forward KL by one teacher draw per token (unbiased at any lag: its draws come from the teacher)
-    python scripts/probe_null.py --config examples/configs/opd_async.yaml \
-        --set estimator.name=forward_kl_mc 'estimator.options={}' sampling.mc_samples=1 --batches 1000 \\
+    python scripts/probe_null.py --config examples/configs/opd_async.yaml \\
+        --set estimator.name=forward_kl_mc 'estimator.options={}' cache.m=1 --batches 1000 \\
         --run runs/probe_null_theta --seed 0 --append --out experiments/data/probe_null/probe_null.csv
 
-One CSV row per (estimator, θ, batch): ``estimator`` (``estimator.name``), ``theta`` (``start`` for the
-starting student, else a checkpoint's step), ``seed`` (of the batches' prompts and draws: runs with
-different seeds add independent batches), ``batch``, ``rows``, ``tokens``, ``groups``, ``bias_sq``,
-``ref_sq``, ``noise_sq``.
+One CSV row per (estimator, θ, batch): ``estimator`` (``estimator.name``), ``m`` (Monte Carlo draws per
+token in the probed batch: ``sampling.mc_samples`` behavior draws, or ``cache.m`` teacher draws),
+``theta`` (``start`` for the starting student, else a checkpoint's step), ``seed`` (of the batches'
+prompts and draws: runs with different seeds add independent batches), ``batch``, ``rows``,
+``tokens``, ``groups``, ``bias_sq``, ``ref_sq``, ``noise_sq``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,27 @@ import torch
 from asyncrl import records as R
 from asyncrl.lab.evidence import write_csv
 
-COLUMNS = ("estimator", "theta", "seed", "batch", "rows", "tokens", "groups", "bias_sq", "ref_sq", "noise_sq")
+COLUMNS = (
+    "estimator",
+    "m",
+    "theta",
+    "seed",
+    "batch",
+    "rows",
+    "tokens",
+    "groups",
+    "bias_sq",
+    "ref_sq",
+    "noise_sq",
+)
+
+
+def draws(batch: dict[str, Any], cache_kind: str) -> int:
+    """Monte Carlo draws per token in the batch the probe read (the teacher's for a teacher-sampling
+    cache, else the behavior policy's): what was measured, read from the columns themselves rather
+    than from a config key that may not reach them."""
+    column = R.TEACHER_MC_IDS if cache_kind.startswith("teacher") else R.MC_IDS
+    return int(batch[column].shape[-1]) if column in batch else 0
 
 
 def prompts(cfg: Any, plan: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,9 +123,10 @@ def measure(
         batch |= score_teacher(teacher, batch, cache, seed=draw_seed)  # the cache's columns and z/τ
         m = probe(batch)
         out.append({
-            "estimator": cfg.estimator.name, "theta": theta, "seed": args.seed, "batch": b, "rows": args.rows,
-            "tokens": int(batch[R.COMPLETION_MASK].sum()), "groups": int(m["gradref/groups"]),
-            "bias_sq": m["gradref/bias_sq"], "ref_sq": m["gradref/ref_sq"], "noise_sq": m["gradref/noise_sq"],
+            "estimator": cfg.estimator.name, "m": draws(batch, plan.cache_kind), "theta": theta,
+            "seed": args.seed, "batch": b, "rows": args.rows, "tokens": int(batch[R.COMPLETION_MASK].sum()),
+            "groups": int(m["gradref/groups"]), "bias_sq": m["gradref/bias_sq"],
+            "ref_sq": m["gradref/ref_sq"], "noise_sq": m["gradref/noise_sq"],
         })  # fmt: skip
         if (b + 1) % 25 == 0:
             ratio = sum(r["bias_sq"] for r in out) / sum(r["ref_sq"] for r in out)

@@ -610,13 +610,13 @@ def write_probe_null(
 ) -> None:
     """probe_null.csv as scripts/probe_null.py writes it: each estimator at two θ, B / |g|² = offset ±
     spread per batch."""
-    rows = ["estimator,theta,seed,batch,rows,tokens,groups,bias_sq,ref_sq,noise_sq"]
+    rows = ["estimator,m,theta,seed,batch,rows,tokens,groups,bias_sq,ref_sq,noise_sq"]
     for est in estimators:
         for theta in ("start", "100"):
             for b in range(batches):
                 ref = 2.0 + math.cos(b)  # |g|² varies from batch to batch
                 noise = spread * math.sqrt(3.0) * math.sin(1.7 * b + len(theta))  # mean ~0, SD ~ spread
-                rows.append(f"{est},{theta},0,{b},32,120,4,{(offset + noise) * ref},{ref},{0.2 * ref}")
+                rows.append(f"{est},4,{theta},0,{b},32,120,4,{(offset + noise) * ref},{ref},{0.2 * ref}")
     (data / "probe_null").mkdir(parents=True)
     (data / "probe_null" / "probe_null.csv").write_text("\n".join(rows) + "\n")
 
@@ -638,7 +638,7 @@ def test_probe_null_rule(
     says = f"within ±{gen.NULL_TOL} and containing 0: {part}"
     assert section.why.count(says) == 2 * len(gen.NULL_ESTIMATORS)  # one part per (estimator, θ)
     assert "the starting student" in section.why and "step 100" in section.why
-    assert all(name in section.why for name in gen.NULL_ESTIMATORS.values())
+    assert all(f"{name} (m = 4)" in section.why for name in gen.NULL_ESTIMATORS.values())
     assert "50 probes" in "\n".join(section.body)
 
 
