@@ -8,7 +8,7 @@ Monte Carlo caches over ``--redraws`` redraws of their m columns. So k and m are
 equal states, and at the bytes per token each cache stores.
 
     asyncrl sweep examples/sweeps/cache_finiteness_frozen.yaml        # the checkpoints (5 seeds)
-    python scripts/frozen_theta.py runs/sweeps/cache_finiteness_frozen/runs/* \\
+    python scripts/frozen_theta.py runs/sweeps/cache_finiteness_frozen/runs/* --redraws 64 \\
         --out experiments/data/cache_finiteness_frozen/frozen.csv
     python scripts/gen_experiments.py                                 # section 9 reads frozen.csv
 
