@@ -564,6 +564,7 @@ def cache_finiteness(sweep: Sweep | None, plots: Path) -> Section:
             )
         ],
     )
+    body += ["", FIVE_SEED_BIAS]
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     a1, a2 = fig.subplots(1, 2)
     for fam in CACHE_FAMILIES:
@@ -924,6 +925,13 @@ MARGIN = 0.02
 SETA_MARGIN = 0.03
 #: "unbiased" at frozen θ: the one-sided 95% upper bound of Σ bias² / Σ |g|² is below this
 BIAS_TOL = 0.01
+#: what a five-seed interval of a squared bias can and cannot say (sections 2 and 9; section 12 measured it)
+FIVE_SEED_BIAS = (
+    "The intervals bootstrap over five seeds, which covers less than its nominal level, so an MC cache's "
+    "interval that excludes 0 is not by itself evidence of a bias (one below 0, impossible for a squared "
+    "bias, can only be that noise); the rule's one-sided bound against the tolerance decides. Section 12 "
+    "measures the same instrument on thousands of independent batches."
+)
 LEVEL = 0.95
 SEEDS = 5
 
@@ -1618,11 +1626,7 @@ def cache_frozen(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
     )  # fmt: skip
     body += ["", "Byte-matched crossover (smallest MC size whose bias² + variance is at most a top-k cache's "
              "of no more bytes): " + "; ".join(crossover) + "."]  # fmt: skip
-    body += ["", "The intervals bootstrap over five seeds, which covers less than its nominal level, so an "
-             "MC cache's interval that excludes 0 is not by itself evidence of a bias (one below 0, "
-             "impossible for a squared bias, can only be that noise); the rule's one-sided bound against "
-             "the tolerance decides. Section 12 measures the same instrument on thousands of independent "
-             "batches."]  # fmt: skip
+    body += ["", FIVE_SEED_BIAS]
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     a1, a2 = fig.subplots(1, 2)
     for fam in dict.fromkeys(f for f, _ in cells):
