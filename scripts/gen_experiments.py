@@ -16,7 +16,9 @@ writes it from the sweeps' run directories, which are not): nothing is rerun to 
 ``--check`` proves the committed document and plots are what the committed data gives. An export
 keeps the committed rows of cells whose run directories are not on this machine
 (``export_sweep(keep=True)``), so evidence committed from another session or machine is never
-dropped by a later export.
+dropped by a later export. To fill in part of a sweep (one lag, more seeds), run only those cells
+with ``asyncrl sweep examples/sweeps/<s>.yaml --only pipeline.max_lag=2,4``: the sweep's manifest still
+lists every cell, so the export that follows covers the whole experiment.
 
 Every experiment tests one published claim and ends in a one-line verdict, *reproduced*, *not
 reproduced* or *inconclusive at this scale*, decided by the rule printed beside it (fixed before the
