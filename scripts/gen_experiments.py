@@ -1533,6 +1533,7 @@ def _real_pair(sweep: Sweep | None, plots: Path, title: str, name: str) -> Secti
 # --- 9. cache finiteness at frozen θ ----------------------------------------------------------------------
 FROZEN = "cache_finiteness_frozen"
 FROZEN_FILE = "frozen.csv"  # scripts/frozen_theta.py
+FROZEN_MC = ("reverse_mc_m", "forward_mc_m")  # its Monte Carlo families (redrawn; the rest are top-k)
 
 
 def read_table(path: Path, *text: str) -> list[dict[str, Any]] | None:
@@ -1592,7 +1593,7 @@ def cache_frozen(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
         parts[f"{CACHE_FAMILIES[fam]}: biased at k={ks[0]}, less at k={ks[-1]}"] = biased_and_falls(
             small["bias_upper"], small["bias"], large["bias"]
         )
-    for fam in ("reverse_mc_m", "forward_mc_m"):
+    for fam in FROZEN_MC:
         ms = sorted(m for f, m in cells if f == fam)
         if len(ms) < 2:
             parts[f"{CACHE_FAMILIES[fam]} unbiased, variance ~ 1/m"] = None
@@ -1658,7 +1659,7 @@ def cache_frozen(rows: list[dict[str, Any]] | None, plots: Path) -> Section:
         "slope of log variance on log m lies in [−1.25, −0.75]. The crossover is reported, not tested."
     )
     n = len({r["seed"] for r in rows})
-    redraws = sorted({int(r["redraws"]) for r in rows if r["family"] in ("reverse_mc_m", "forward_mc_m")})
+    redraws = sorted({int(r["redraws"]) for r in rows if r["family"] in FROZEN_MC})
     drawn = f", {'/'.join(map(str, redraws))} redraws per MC measurement" if redraws else ""
     return Section(
         title, claim, file, _verdict(parts), _says(parts), rule, body, [save(fig, plots, FROZEN)],

@@ -63,12 +63,14 @@ COLUMNS = (
 )
 
 
-def draws(batch: dict[str, Any], cache_kind: str) -> int:
-    """Monte Carlo draws per token in the batch the probe read (the teacher's for a teacher-sampling
-    cache, else the behavior policy's): what was measured, read from the columns themselves rather
-    than from a config key that may not reach them."""
-    column = R.TEACHER_MC_IDS if cache_kind.startswith("teacher") else R.MC_IDS
-    return int(batch[column].shape[-1]) if column in batch else 0
+def draws(batch: dict[str, Any], cache: Any) -> int:
+    """Monte Carlo draws per token in the batch the probe read: the ids column the cache writes
+    (teacher draws) or reads (behavior draws), measured from the batch rather than taken from a
+    config key that may not reach it."""
+    for column in (*cache.columns(), *cache.input_columns()):
+        if column in (R.TEACHER_MC_IDS, R.MC_IDS) and column in batch:
+            return int(batch[column].shape[-1])
+    return 0
 
 
 def prompts(cfg: Any, plan: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +125,7 @@ def measure(
         batch |= score_teacher(teacher, batch, cache, seed=draw_seed)  # the cache's columns and z/τ
         m = probe(batch)
         out.append({
-            "estimator": cfg.estimator.name, "m": draws(batch, plan.cache_kind), "theta": theta,
+            "estimator": cfg.estimator.name, "m": draws(batch, cache), "theta": theta,
             "seed": args.seed, "batch": b, "rows": args.rows, "tokens": int(batch[R.COMPLETION_MASK].sum()),
             "groups": int(m["gradref/groups"]), "bias_sq": m["gradref/bias_sq"],
             "ref_sq": m["gradref/ref_sq"], "noise_sq": m["gradref/noise_sq"],

@@ -298,12 +298,11 @@ class GradientProbe:
         mask = tb[R.COMPLETION_MASK].bool()
         return torch.where(mask.unsqueeze(-1), tb[R.TEACHER_LOGITS], torch.zeros_like(tb[R.TEACHER_LOGITS]))
 
-    def _reference_loss(self, logits: torch.Tensor, tb: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _reference_loss(
+        self, logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """The exact dense KL in the estimator's direction, reduced as the estimator reduces its loss."""
-        mask = tb[R.COMPLETION_MASK].bool()
-        loss, _ = reduce_loss(
-            _dense_kl(self.direction)(logits, self._teacher(tb)), mask, aggregation=self.aggregation
-        )
+        loss, _ = reduce_loss(_dense_kl(self.direction)(logits, teacher), mask, aggregation=self.aggregation)
         return loss
 
     def _group(self, tb: Mapping[str, torch.Tensor], rows: np.ndarray) -> _Group:
@@ -314,7 +313,7 @@ class GradientProbe:
         mask = sub[R.COMPLETION_MASK].bool()
         est = self.estimator(logits, sub)
         teacher = self._teacher(sub)
-        ref_loss = self._reference_loss(logits, sub)
+        ref_loss = self._reference_loss(logits, teacher, mask)
         g_est = torch.autograd.grad(est.loss, params, retain_graph=True, allow_unused=True)
         g_ref = torch.autograd.grad(ref_loss, params, allow_unused=True)
         n = (
@@ -466,7 +465,7 @@ def frozen_theta(
     # and one reference backward, then one backward of the estimator's loss per redraw of its columns
     params = probe._params()
     logits = probe._logits(base)
-    ref_loss = probe._reference_loss(logits, base)
+    ref_loss = probe._reference_loss(logits, probe._teacher(base), base[R.COMPLETION_MASK].bool())
     ref = _fill(torch.autograd.grad(ref_loss, params, retain_graph=True, allow_unused=True), params)
     errors, ests = [], []
     for r in range(redraws):
