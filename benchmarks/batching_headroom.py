@@ -1,5 +1,5 @@
 """What not waiting for a block's longest completion would buy a generator: the decode cost by
-live rows, measured, and heavy-tailed blocks replayed under five schedules.
+live rows, measured, and heavy-tailed blocks replayed under several schedules.
 
 A generator decodes a block of B rows until its longest completion ends, so
 with heavy-tailed lengths most decode steps carry rows that have finished. The ways out, in
@@ -8,9 +8,10 @@ order of engineering cost:
 - ``static``: every step runs all B rows (``HFEngine(compact=False)``);
 - ``compaction``: drop finished rows from the decode batch (a step with r live rows costs c(r));
   ``HFEngine(compact=True)``, the engine's default;
-- ``2 blocks at once``: two blocks decode in shared steps, each leaving when its own longest row
-  ends (``pipeline.continuous_batching``: a generator's two concurrent calls, one
-  ``ContinuousBatcher``); also run for real through the batcher on the check blocks;
+- ``K blocks at once`` (``--at-once K ...``, default 2): K blocks decode in shared steps, each
+  leaving when its own longest row ends and the next joining then (``pipeline.continuous_batching``
+  with ``continuous_blocks=K``: a generator's K concurrent calls, one ``ContinuousBatcher``); also
+  run for real through the batcher on the check blocks;
 - ``continuous``: refill a freed slot with the next prompt (B live rows per step until the
   stream's tail; each refill prefills one prompt);
 - ``partial``: partial rollouts (AReaL, verl): a call takes its block's B prompts into a pool
@@ -36,6 +37,7 @@ one call, against the per-token staleness bound.
 
     python benchmarks/batching_headroom.py --real smollm2 --batch 8 --new-tokens 256 --heavy-tail 1.0
     python benchmarks/batching_headroom.py --real smollm2 --idle 0.22     # + the idle it would leave
+    python benchmarks/batching_headroom.py --real smollm2 --batch 4 --at-once 2 3 4 --check-blocks 8
     python benchmarks/batching_headroom.py --preset tiny --batch 8 --new-tokens 64   # quick
 """
 
@@ -168,10 +170,17 @@ def partial(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, carry: int)
 
 
 def two_blocks_run(
-    engine: HFEngine, blocks: Sequence[np.ndarray], vocab: int, B: int, P: int, law: SamplingParams, n: int
+    engine: HFEngine,
+    blocks: Sequence[np.ndarray],
+    vocab: int,
+    B: int,
+    P: int,
+    law: SamplingParams,
+    n: int,
+    at_once: int = 2,
 ) -> float:
-    """Seconds for the first ``n`` blocks through a ``ContinuousBatcher`` with at most two in flight,
-    the next submitted as soon as either ends (a generator actor's two concurrent calls); the
+    """Seconds for the first ``n`` blocks through a ``ContinuousBatcher`` with at most ``at_once``
+    in flight, the next submitted as soon as one ends (a generator actor's concurrent calls); the
     prompts and seeds of the static / compaction checks, so the same lengths."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -185,7 +194,7 @@ def two_blocks_run(
         return batcher.submit(prompts[i], torch.ones_like(prompts[i], dtype=torch.bool), law, seed=i)
 
     t0 = time.perf_counter()
-    running = {submit(i): i for i in range(min(2, n))}
+    running = {submit(i): i for i in range(min(at_once, n))}
     queued = list(range(len(running), n))
     while running:
         done, _ = wait(running, return_when=FIRST_COMPLETED)
@@ -270,6 +279,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--blocks", type=int, default=64, help="blocks replayed per schedule")
     ap.add_argument("--carry", type=int, default=None, help="partial: rows carried at most (default B)")
     ap.add_argument("--check-blocks", type=int, default=4, help="static blocks also run for real")
+    ap.add_argument(
+        "--at-once",
+        type=int,
+        nargs="+",
+        default=[2],
+        metavar="K",
+        help="blocks decoded at once (pipeline.continuous_blocks), each replayed and run for real",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--idle", type=float, default=None, help="learner idle fraction measured under static")
@@ -277,6 +294,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.heavy_tail <= 0:
         ap.error("--heavy-tail must be > 0: with equal lengths every schedule is static")
+    if min(args.at_once) < 2:
+        ap.error(f"--at-once takes K >= 2 (one block at a time is compaction), got {args.at_once}")
     if args.idle is not None and not 0 <= args.idle < 1:
         ap.error(f"--idle must be in [0, 1), got {args.idle}")
     torch.set_num_threads(args.threads)
@@ -296,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     schedules = [
         static(blocks, costs, P),
         compaction(blocks, costs, P),
-        two_blocks(blocks, costs, P),
+        *(two_blocks(blocks, costs, P, at_once=k) for k in args.at_once),
         continuous(blocks, costs, P),
         partial(blocks, costs, P, carry),
     ]
@@ -315,10 +334,14 @@ def main(argv: list[str] | None = None) -> dict:
             got = out["completion_mask"].sum(1).numpy()
             assert (got == blocks[seed]).all(), f"engine lengths {got} != budgets {blocks[seed]}"
         check[replay.__name__] = (real, replay(blocks[: args.check_blocks], costs, P).seconds)
-    # pipeline.continuous_batching: the same blocks through a ContinuousBatcher, two in flight at a
-    # time (a generator actor's two concurrent calls), against the two_blocks replay
-    check["two_blocks"] = (two_blocks_run(engines[True], blocks, vocab, B, P, law, args.check_blocks),
-                           two_blocks(blocks[: args.check_blocks], costs, P).seconds)  # fmt: skip
+    # pipeline.continuous_batching: the same blocks through a ContinuousBatcher, K in flight at a
+    # time (a generator actor's K concurrent calls), against the K blocks at once replay
+    for k in args.at_once:
+        name = "two_blocks" if k == 2 else f"{k}_blocks"
+        check[name] = (
+            two_blocks_run(engines[True], blocks, vocab, B, P, law, args.check_blocks, at_once=k),
+            two_blocks(blocks[: args.check_blocks], costs, P, at_once=k).seconds,
+        )
 
     lengths = np.concatenate(blocks)
     pad = 1 - lengths.sum() / sum(len(b) * int(b.max()) for b in blocks)

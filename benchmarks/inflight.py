@@ -8,6 +8,8 @@ wrote (metrics.jsonl, samples.parquet), steady state = steps after the first two
 - ``samples/s``, ``tokens/s``: trained samples / completion tokens per second of learner time;
 - ``idle``: the learner's mean idle fraction (``throughput/learner_idle_frac``: waiting for data);
 - ``span``: the fraction of trained samples whose tokens come from more than one version;
+- ``blocks_at_once``: the blocks a generator runs at once (``pipeline.continuous_blocks`` with
+  ``continuous``, else 1);
 - ``shared``: with ``continuous`` (``pipeline.continuous_batching``), the mean fraction of a
   block's decode steps that another block's rows shared;
 - ``tok_lag``: trained tokens per lag bucket (``token_lag_counts``);
@@ -25,6 +27,9 @@ wrote (metrics.jsonl, samples.parquet), steady state = steps after the first two
     python benchmarks/inflight.py --config examples/configs/opd_smollm2.yaml --steps 8 --max-lag 2 \
         --generators 1 --variants off recompute --set sampling.max_new_tokens=256 train.batch_size=8 \
         sampling.heavy_tail=1.0                                   # heavy-tailed lengths (Pareto budgets)
+    python benchmarks/inflight.py --config examples/configs/opd_smollm2.yaml --steps 12 --max-lag 2 \
+        --generators 1 --variants off continuous --set sampling.max_new_tokens=256 train.batch_size=4 \
+        sampling.heavy_tail=1.0 pipeline.fuse_scoring=true pipeline.continuous_blocks=3   # 3 blocks at once
 
 Writes a JSON line per variant to ``--out`` (default: print only).
 """
@@ -149,7 +154,9 @@ def main() -> None:
                 *args.set,
             ]
             result = run(load_config(args.config, overrides))
-            row = {"max_lag": S, "variant": name, **figures(result.run_dir)}
+            pc = result.config.pipeline
+            blocks = pc.continuous_blocks if pc.continuous_batching else 1
+            row = {"max_lag": S, "variant": name, "blocks_at_once": blocks, **figures(result.run_dir)}
             if args.agreement:
                 row |= agreement(result.config, result.run_dir, args.agreement)
             print(json.dumps(row), flush=True)

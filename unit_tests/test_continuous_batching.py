@@ -7,7 +7,8 @@
 - a block admitted with newer weights switches the rollouts already decoding (in-flight update):
   their later tokens carry the new version and, with the prefix recomputed, its exact log-probs;
 - a bad request fails alone; a dead engine (its poll raising) fails every request, now and later;
-- an engine without the fast decode path is refused, naming the fix.
+- an engine without the fast decode path is refused, naming the fix;
+- a step floor (``HFEngine(step_latency_s=...)``) paces own and fused steps and changes no draw.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -141,6 +143,43 @@ def test_concurrent_submits_from_threads_all_finish_exactly() -> None:
     assert sorted(results) == list(range(len(blocks)))
     for i, out in enumerate(alone):
         _assert_same(results[i], out)
+
+
+def test_a_step_floor_paces_every_decode_step_and_changes_no_draw() -> None:
+    """``step_latency_s`` (a study tool emulating an accelerator's flat step cost): every decode
+    step lasts at least the floor, a rollout's own and a fused one alike (one floor per fused
+    step, however many rollouts share it), and the tokens are those drawn without it."""
+    a_ids, a_mask = encode_prompts(TOK, PROMPTS_A, 16)
+    b_ids, b_mask = encode_prompts(TOK, PROMPTS_B, 16)
+    free = HFEngine(_model(0), TOK)
+    alone_a = free.generate(a_ids, a_mask, PARAMS, seed=1)
+    alone_b = free.generate(b_ids, b_mask, PARAMS, seed=5)
+    floor = 0.01
+    paced = HFEngine(_model(0), TOK, step_latency_s=floor)
+    t0 = time.perf_counter()
+    got = paced.generate(a_ids, a_mask, PARAMS, seed=1)
+    took = time.perf_counter() - t0
+    _assert_same(got, alone_a)
+    steps = int(got[R.COMPLETION_MASK].sum(1).max()) - 1  # the first token comes from the prefill
+    assert steps > 8 and took >= steps * floor, (steps, took)
+
+    batcher = ContinuousBatcher(paced)
+    try:
+        t0 = time.perf_counter()
+        futures = [
+            batcher.submit(a_ids, a_mask, PARAMS, seed=1),
+            batcher.submit(b_ids, b_mask, PARAMS, seed=5),
+        ]
+        done = [f.result(timeout=60) for f in futures]
+        took = time.perf_counter() - t0
+    finally:
+        batcher.close()
+    _assert_same(done[0].columns, alone_a)
+    _assert_same(done[1].columns, alone_b)
+    assert done[0].shared_steps > 0 and took >= batcher.steps * floor, (batcher.steps, took)
+    for bad in (-0.1, "fast", True):
+        with pytest.raises(ValueError, match="step_latency_s"):
+            HFEngine(_model(0), TOK, step_latency_s=bad)
 
 
 @pytest.mark.parametrize("kv", ["recompute", "keep"])

@@ -160,8 +160,9 @@ class PipelineConfig:
     engine_options: dict[str, Any] = field(
         default_factory=dict,
         help="keyword options of the engine's from_pretrained (hf: decode=auto|fast|hf, compact=true|false "
-        "(finished rows leave the decode batch; default true), inflight_kv=recompute|keep; "
-        "vllm: max_model_len)",
+        "(finished rows leave the decode batch; default true), inflight_kv=recompute|keep, "
+        "step_latency_s (a study tool: each decode step lasts at least this long, sleeping, to emulate an "
+        "accelerator's flat step cost; default 0); vllm: max_model_len)",
     )
     teacher_dtype: Literal["float32", "bfloat16"] = field(
         "float32",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -225,7 +226,10 @@ class ContinuousBatcher:
                     [ro.t for ro in rollouts],
                 )
                 shared = len(stepping) > 1
-                for a, logits in zip(stepping, step_together(decs, toks, ts)):
+                started = time.perf_counter()
+                fused = step_together(decs, toks, ts)
+                self.engine.pace(started)  # HFEngine.step_latency_s: one fused step, one floor
+                for a, logits in zip(stepping, fused):
                     a.rollout.logits = logits
                     a.steps += 1
                     a.shared += shared

@@ -22,6 +22,7 @@ Per step ``t`` with logits ``z_t`` [B, V]:
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -106,6 +107,16 @@ class HFEngine:
             student). Either way each token is an exact draw from the logits that produced
             it, and a run is deterministic given its seed and this option. The transformers path
             compacts its ``DynamicCache`` with ``batch_select_indices``.
+        step_latency_s: a study tool (default 0: off): every decode step takes at least this long,
+            the rest of it spent sleeping. On an accelerator a small model's decode step is bound
+            by reading the weights, so its cost barely grows with the live rows and it uses no
+            host CPU; on a small CPU machine every stage shares the same cores, so a faster
+            generator gives its core to the others instead of delivering sooner. A step floor
+            emulates the accelerator's regime (a flat step cost that sleeps, like
+            ``asyncrl.engines.paced.PacedEngine`` for whole calls) so that what the pipeline's
+            scheduling buys (compaction, ``pipeline.continuous_batching``) can be measured on
+            one machine. The tokens, log-probabilities and versions are unchanged: only time is
+            emulated. Prefill is not paced.
 
     In-flight switch: between decode steps ``generate`` asks ``poll_weights`` (every
     ``poll_every`` steps); on newer weights it loads them (``load_weights``: the fingerprint is
@@ -135,7 +146,13 @@ class HFEngine:
         lora_merge: bool = True,
         inflight_kv: Literal["recompute", "keep"] = "recompute",
         compact: bool = True,
+        step_latency_s: float = 0.0,
     ) -> None:
+        number = isinstance(step_latency_s, int | float) and not isinstance(step_latency_s, bool)
+        if not number or step_latency_s < 0:
+            raise ValueError(f"HFEngine step_latency_s={step_latency_s!r}: use seconds >= 0 (0: off)")
+        #: every decode step lasts at least this long (class docstring; 0: off)
+        self.step_latency_s = float(step_latency_s)
         if not isinstance(compact, bool):
             raise ValueError(f"HFEngine compact={compact!r}: use true or false")
         #: finished rows leave the decode batch (class docstring)
@@ -215,6 +232,7 @@ class HFEngine:
         lora_merge: bool = True,
         inflight_kv: Literal["recompute", "keep"] = "recompute",
         compact: bool = True,
+        step_latency_s: float = 0.0,
     ) -> HFEngine:
         """Load model + tokenizer from an HF checkpoint directory on local disk (no hub access).
         With ``lora`` the checkpoint is the base and the engine loads adapter versions (``HFEngine``).
@@ -253,6 +271,7 @@ class HFEngine:
             lora_merge=lora_merge,
             inflight_kv=inflight_kv,
             compact=compact,
+            step_latency_s=step_latency_s,
         )
 
     @classmethod
@@ -396,8 +415,18 @@ class HFEngine:
             due = poll_weights is not None and (ro.t + 1) % poll_every == 0
             if due and self._poll(poll_weights, [ro.dec]) and ro.switched(self._version, self.inflight_kv):
                 continue  # the recompute's logits predict the next token
+            started = time.perf_counter()
             ro.logits = ro.dec.step(ro.tokens, ro.t)
+            self.pace(started)
         return ro.result()
+
+    def pace(self, started: float) -> None:
+        """Sleep out the rest of ``step_latency_s`` after a decode step begun at ``started``
+        (``time.perf_counter``); nothing when it is 0."""
+        if self.step_latency_s > 0:
+            left = self.step_latency_s - (time.perf_counter() - started)
+            if left > 0:
+                time.sleep(left)
 
     def start_rollout(
         self,
