@@ -242,6 +242,9 @@ def test_from_pretrained_round_trip_and_registry(tmp_path) -> None:
     ref = HFEngine(model, TOK).generate(ids, mask, params, seed=0)
     got = eng.generate(ids, mask, params, seed=0)
     assert torch.equal(ref["completion_ids"], got["completion_ids"])
+    # engine_options reach the engine (pipeline.engine_options is from_pretrained's keywords)
+    paced = HFEngine.from_pretrained(tmp_path, step_latency_s=0.01, compact=False)
+    assert paced.step_latency_s == 0.01 and paced.compact is False and eng.step_latency_s == 0.0
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         HFEngine.from_pretrained(tmp_path / "nope")
 
