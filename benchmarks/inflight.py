@@ -156,7 +156,8 @@ def main() -> None:
             result = run(load_config(args.config, overrides))
             pc = result.config.pipeline
             blocks = pc.continuous_blocks if pc.continuous_batching else 1
-            row = {"max_lag": S, "variant": name, "blocks_at_once": blocks, **figures(result.run_dir)}
+            row = {"max_lag": S, "variant": name, "seed": result.config.seed, "blocks_at_once": blocks}
+            row |= figures(result.run_dir)
             if args.agreement:
                 row |= agreement(result.config, result.run_dir, args.agreement)
             print(json.dumps(row), flush=True)
