@@ -104,7 +104,7 @@ def compaction(blocks: Sequence[np.ndarray], costs: Costs, prompt: int) -> Sched
     return Schedule("compaction", s, int(sum(b.sum() for b in blocks)), sum(len(b) for b in blocks))
 
 
-def two_blocks(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, at_once: int = 2) -> Schedule:
+def blocks_at_once(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, at_once: int = 2) -> Schedule:
     """``pipeline.continuous_batching``: ``at_once`` blocks decode in shared steps (finished rows
     leave); a block leaves when its own longest row ends and the next block joins (its prefill)."""
     queue = [np.asarray(b) for b in blocks]
@@ -169,7 +169,7 @@ def partial(blocks: Sequence[np.ndarray], costs: Costs, prompt: int, carry: int)
     )
 
 
-def two_blocks_run(
+def blocks_at_once_run(
     engine: HFEngine,
     blocks: Sequence[np.ndarray],
     vocab: int,
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     schedules = [
         static(blocks, costs, P),
         compaction(blocks, costs, P),
-        *(two_blocks(blocks, costs, P, at_once=k) for k in args.at_once),
+        *(blocks_at_once(blocks, costs, P, at_once=k) for k in args.at_once),
         continuous(blocks, costs, P),
         partial(blocks, costs, P, carry),
     ]
@@ -337,10 +337,9 @@ def main(argv: list[str] | None = None) -> dict:
     # pipeline.continuous_batching: the same blocks through a ContinuousBatcher, K in flight at a
     # time (a generator actor's K concurrent calls), against the K blocks at once replay
     for k in args.at_once:
-        name = "two_blocks" if k == 2 else f"{k}_blocks"
-        check[name] = (
-            two_blocks_run(engines[True], blocks, vocab, B, P, law, args.check_blocks, at_once=k),
-            two_blocks(blocks[: args.check_blocks], costs, P, at_once=k).seconds,
+        check[f"{k}_blocks"] = (
+            blocks_at_once_run(engines[True], blocks, vocab, B, P, law, args.check_blocks, at_once=k),
+            blocks_at_once(blocks[: args.check_blocks], costs, P, at_once=k).seconds,
         )
 
     lengths = np.concatenate(blocks)

@@ -234,18 +234,19 @@ def test_batching_headroom_replays_agree_where_they_must() -> None:
     assert bh.continuous(tail, flat, 4).seconds == 9  # 8 slots: the 9-token row outlasts all others
     # two blocks at once, flat cost: both run beside the 9-token row (9 shared steps); one at a time
     # is compaction; with c(r) = r sharing changes nothing (cost = tokens either way)
-    assert bh.two_blocks(tail, flat, 4).seconds == 9
-    assert bh.two_blocks(tail, linear, 4, at_once=1).seconds == bh.compaction(tail, linear, 4).seconds
+    assert bh.blocks_at_once(tail, flat, 4).seconds == 9
+    assert bh.blocks_at_once(tail, linear, 4, at_once=1).seconds == bh.compaction(tail, linear, 4).seconds
     linear16 = bh.Costs(step={1: 1.0, 16: 16.0}, prefill_per_token=0.0)  # c(r) = r up to both blocks' 16
-    assert bh.two_blocks(tail, linear16, 4).seconds == sum(int(b.sum()) for b in tail)
+    assert bh.blocks_at_once(tail, linear16, 4).seconds == sum(int(b.sum()) for b in tail)
     # three at once, flat cost: the first block's 9-token row holds its slot while the 2-token block
     # and then the third (1 token) decode beside it; two at once must wait for a freed slot
     three = [*tail, np.full(8, 1)]
-    assert bh.two_blocks(three, flat, 4, at_once=3).seconds == 9
-    assert bh.two_blocks(three, flat, 4, at_once=2).seconds == 9  # the third joins at step 3
-    assert bh.two_blocks(three, flat, 4, at_once=3).name == "3 blocks at once"
+    assert bh.blocks_at_once(three, flat, 4, at_once=3).seconds == 9
+    assert bh.blocks_at_once(three, flat, 4, at_once=2).seconds == 9  # the third joins at step 3
+    assert bh.blocks_at_once(three, flat, 4, at_once=3).name == "3 blocks at once"
     same = [np.full(8, 9)] * 3  # equal lengths: a third slot runs the third block beside the others
-    assert bh.two_blocks(same, flat, 4, at_once=3).seconds == 9 < bh.two_blocks(same, flat, 4).seconds == 18
+    assert bh.blocks_at_once(same, flat, 4, at_once=3).seconds == 9
+    assert bh.blocks_at_once(same, flat, 4).seconds == 18
     # carry 8: call 1 holds its 8 rows undecoded; call 2 decodes 16 until at most 8 are unfinished
     # (2 steps: block 1's short rows, then block 2's); call 3 decodes 9 rows one step. The 9-token
     # row is still carried at the end: 23 rows emitted, block 1's 7 after spanning 2 calls.
