@@ -1,5 +1,6 @@
 """The benchmarks' own logic: the estimator benchmark's synthetic inputs satisfy every estimator
-it times, and BENCHMARKS.md's partial regeneration keeps the other sections whole.
+it times, BENCHMARKS.md's partial regeneration keeps the other sections whole, and the in-flight
+benchmark's summary pairs its runs by seed.
 
 ``benchmarks/estimators.py`` builds its batches by hand; when an estimator gained a required
 column (the top-k cache's ``teacher_topk_log_tail``) the benchmark's top-k rows printed an error
@@ -8,6 +9,7 @@ finite loss and a finite gradient on the logits."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -253,3 +255,62 @@ def test_batching_headroom_replays_agree_where_they_must() -> None:
     part = bh.partial([*tail, np.full(8, 1)], flat, 4, carry=8)
     assert (part.seconds, part.rows, part.tokens) == (3.0, 23, 40 - 9)
     assert part.calls_spanned_max == 2 and part.spanning_frac == 7 / 23
+
+
+def test_inflight_summary_pairs_runs_by_seed_and_reads_the_idle_change_relative() -> None:
+    """``inflight.py --summarize``: each non-off configuration against each off one over their
+    shared seeds; the idle change is per-seed relative (-0.5 = halved), the lag token-weighted."""
+    import inflight
+
+    def row(S: int, variant: str, seed: int, idle: float, lags: dict[str, int], blocks: int = 1) -> dict:
+        return {
+            "max_lag": S, "variant": variant, "seed": seed, "blocks_at_once": blocks, "samples_per_s": 1.0,
+            "idle": idle, "tok_lag": lags, "kl_all": 0.5, "eval_kl_reverse": 1.0 + seed,
+            "eval_top1_agree": 0.5,
+        }  # fmt: skip
+
+    rows = [
+        row(2, "off", 0, 0.4, {"0": 1, "1": 3}),
+        row(2, "off", 1, 0.5, {"1": 2}),
+        row(2, "continuous", 0, 0.2, {"2": 4}, blocks=2),
+        row(2, "continuous", 1, 0.3, {"2": 4}, blocks=2),
+        row(1, "continuous", 0, 0.1, {"0": 4}, blocks=2),  # one seed only: no pair with S=2 off
+    ]
+    assert inflight.mean_token_lag(rows[0]) == 0.75
+    assert math.isnan(inflight.mean_token_lag({"tok_lag": {"2": 1, "3-4": 1}}))  # a range: not exact
+    assert inflight.mean_token_lag({"tok_lag": {"3-4": 1}, "tok_lag_mean": 3.25}) == 3.25
+    text = inflight.summarize(rows)
+    head = "| S=2 continuous, 2 blocks at once | S=2 off"
+    pair = [line for line in text.splitlines() if line.startswith(head)]
+    assert len(pair) == 1 and "| 0,1 |" in pair[0]
+    cuts = [0.2 / 0.4 - 1, 0.3 / 0.5 - 1]  # -0.5 and -0.4
+    assert f"{sum(cuts) / 2:+.3f} [" in pair[0]  # the relative idle change, seed-paired
+    assert f"{(2 - 0.75 + 2 - 1) / 2:+.3f} [" in pair[0]  # the mean token lag's change
+    assert "S=1 continuous" not in text.split("| configuration |")[1]
+
+
+def test_inflight_goal_verdicts_decide_only_what_the_intervals_decide() -> None:
+    """Issue 42's goal off a pair's intervals: the wait is halved only if the relative change's
+    whole interval lies below -0.5; agreement is worse / better only where an interval excludes 0."""
+    import inflight
+
+    from asyncrl.lab.stats import Interval
+
+    def pair(idle: tuple, kl: tuple = (0.0, -0.1, 0.1), top1: tuple = (0.0, -0.1, 0.1)) -> dict:
+        return {
+            "idle change (relative)": Interval(*idle, n=5),
+            "Δ held-out KL": Interval(*kl, n=5),
+            "Δ held-out top-1": Interval(*top1, n=5),
+        }
+
+    assert inflight.goal_verdicts(pair((-0.6, -0.7, -0.55))) == ("yes", "no difference detected")
+    assert inflight.goal_verdicts(pair((-0.45, -0.49, -0.41)))[0] == "no"  # S = 2, five seeds
+    assert inflight.goal_verdicts(pair((-0.49, -0.73, -0.25)))[0] == "undecided"
+    assert inflight.goal_verdicts(pair((-0.6, -0.7, -0.55), kl=(0.3, 0.1, 0.5)))[1] == "worse"
+    assert inflight.goal_verdicts(pair((-0.6, -0.7, -0.55), top1=(-0.2, -0.3, -0.1)))[1] == "worse"
+    assert inflight.goal_verdicts(pair((-0.6, -0.7, -0.55), top1=(0.1, 0.05, 0.2)))[1] == "better"
+    # worse on one figure outweighs better on the other
+    assert (
+        inflight.goal_verdicts(pair((-0.6, -0.7, -0.55), kl=(0.3, 0.1, 0.5), top1=(0.1, 0.05, 0.2)))[1]
+        == "worse"
+    )
