@@ -147,6 +147,11 @@ def mean_token_lag(row: dict[str, Any]) -> float:
     return sum(int(k) * c for k, c in counts.items()) / sum(counts.values())
 
 
+def _fmt(x: float) -> str:
+    """A table cell: three decimals, an en dash for a missing (NaN) figure."""
+    return "–" if math.isnan(x) else f"{x:.3f}"
+
+
 def _held_out(row: dict[str, Any], name: str) -> float:
     """A held-out agreement figure of a row (``--agreement``), NaN where the run had none."""
     return float(row.get(f"eval_{name}", math.nan))
@@ -182,23 +187,23 @@ def config_label(key: tuple[int, str, int]) -> str:
 def summarize(rows: list[dict[str, Any]]) -> str:
     """Markdown: one line per run, then every non-``off`` configuration paired by seed with every
     ``off`` one (module docstring)."""
-    fmt = lambda x: "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"  # noqa: E731
     out = [
         "| max_lag | seed | variant | blocks at once | samples/s | learner idle | mean token lag | trained "
         "tokens per lag | KL(b‖c) all | held-out KL(student‖teacher) | held-out top-1 |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (config_key(r), r["seed"])):
+        S, variant, blocks = config_key(r)
         lags = " / ".join(f"{k}: {v}" for k, v in r["tok_lag"].items())
         out.append(
-            f"| {r['max_lag']} | {r['seed']} | {r['variant']} | {r.get('blocks_at_once', 1)} | "
-            f"{fmt(r['samples_per_s'])} | {fmt(r['idle'])} | {fmt(mean_token_lag(r))} | {lags} | "
-            f"{fmt(r['kl_all'])} | {fmt(r.get('eval_kl_reverse'))} | {fmt(r.get('eval_top1_agree'))} |"
+            f"| {S} | {r['seed']} | {variant} | {blocks} | {_fmt(r['samples_per_s'])} | {_fmt(r['idle'])} | "
+            f"{_fmt(mean_token_lag(r))} | {lags} | {_fmt(r['kl_all'])} | "
+            f"{_fmt(_held_out(r, 'kl_reverse'))} | {_fmt(_held_out(r, 'top1_agree'))} |"
         )
     by: dict[tuple[int, str, int], dict[int, dict[str, Any]]] = defaultdict(dict)
     for r in rows:
         by[config_key(r)][int(r["seed"])] = r  # a seed run twice: the later line wins
-    figures = {
+    measures = {  # (not ``figures``: that is the function reading a run directory)
         "idle change (relative)": lambda a, b: a["idle"] / b["idle"] - 1 if b["idle"] > 0 else math.nan,
         "Δ samples/s": lambda a, b: a["samples_per_s"] - b["samples_per_s"],
         "Δ mean token lag": lambda a, b: mean_token_lag(a) - mean_token_lag(b),
@@ -214,14 +219,14 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     if pairs:
         out += [
             "",
-            "| configuration | against | seeds | " + " | ".join(figures) + " | wait halved | agreement |",
+            "| configuration | against | seeds | " + " | ".join(measures) + " | wait halved | agreement |",
         ]
-        out.append("|---|---|---|" + "---|" * (len(figures) + 2))
+        out.append("|---|---|---|" + "---|" * (len(measures) + 2))
         for a, b in pairs:
             seeds = sorted(by[a].keys() & by[b].keys())
             intervals = {
                 name: paired_difference({s: f(by[a][s], by[b][s]) for s in seeds}, dict.fromkeys(seeds, 0.0))
-                for name, f in figures.items()
+                for name, f in measures.items()
             }
             cells = [str(i).replace(f" (n={len(seeds)})", "") for i in intervals.values()]
             cells += goal_verdicts(intervals)
